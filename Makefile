@@ -1,0 +1,40 @@
+# Set-up and checks for normhooks. `make test` and `make demo` work on a fresh machine with
+# only Python: the first run creates .venv and installs everything into it.
+
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+# The CPU build of torch is pinned (constraints.txt) so pip never pulls a multi-GB CUDA build.
+PIP := $(BIN)/python -m pip install --quiet --disable-pip-version-check -c constraints.txt
+STAMP := $(VENV)/.installed
+
+.PHONY: install test lint typecheck pytest bench demo clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml constraints.txt
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(PIP) torch==2.13.0
+	$(PIP) -e '.[dev,demo]'
+	touch $(STAMP)
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+typecheck: $(STAMP)
+	$(BIN)/mypy --strict src
+
+pytest: $(STAMP)
+	$(BIN)/python -m pytest
+
+test: lint typecheck pytest
+
+bench: $(STAMP)
+	$(BIN)/python benchmarks/lars.py
+
+demo: $(STAMP)
+	$(BIN)/python benchmarks/lars.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis

@@ -1,0 +1,9 @@
+"""Fixtures shared by every test."""
+
+import pytest
+import torch
+
+
+@pytest.fixture(autouse=True)
+def _seed() -> None:
+    torch.manual_seed(0)
