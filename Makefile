@@ -32,6 +32,7 @@ test: lint typecheck pytest
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/lars.py
+	$(BIN)/python benchmarks/ws.py
 
 demo: $(STAMP)
 	$(BIN)/python benchmarks/lars.py

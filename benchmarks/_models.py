@@ -1,0 +1,56 @@
+"""Models the benchmarks share, written in the project."""
+
+from __future__ import annotations
+
+from torch import Tensor, nn
+
+
+class BasicBlock(nn.Module):
+    def __init__(self, conv: type[nn.Conv2d], cin: int, cout: int, stride: int) -> None:
+        super().__init__()
+        self.conv1 = conv(cin, cout, 3, stride, 1, bias=False)
+        self.norm1 = nn.GroupNorm(32, cout)
+        self.conv2 = conv(cout, cout, 3, 1, 1, bias=False)
+        self.norm2 = nn.GroupNorm(32, cout)
+        self.relu = nn.ReLU(inplace=True)
+        self.shortcut: nn.Module = nn.Identity()
+        if stride != 1 or cin != cout:
+            self.shortcut = nn.Sequential(
+                conv(cin, cout, 1, stride, bias=False), nn.GroupNorm(32, cout)
+            )
+
+    def forward(self, x: Tensor) -> Tensor:
+        y = self.relu(self.norm1(self.conv1(x)))
+        return self.relu(self.norm2(self.conv2(y)) + self.shortcut(x))
+
+
+class ResNet18(nn.Module):
+    """ResNet-18 with GroupNorm (32 groups), the setting weight standardization targets."""
+
+    def __init__(self, conv: type[nn.Conv2d] = nn.Conv2d, classes: int = 100) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(
+            conv(3, 64, 7, 2, 3, bias=False),
+            nn.GroupNorm(32, 64),
+            nn.ReLU(inplace=True),
+            nn.MaxPool2d(3, 2, 1),
+        )
+        blocks = []
+        cin = 64
+        for cout, stride in [
+            (64, 1),
+            (64, 1),
+            (128, 2),
+            (128, 1),
+            (256, 2),
+            (256, 1),
+            (512, 2),
+            (512, 1),
+        ]:
+            blocks.append(BasicBlock(conv, cin, cout, stride))
+            cin = cout
+        self.blocks = nn.Sequential(*blocks)
+        self.head = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(512, classes))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.head(self.blocks(self.stem(x)))

@@ -1,0 +1,161 @@
+"""Machinery shared by the weight standardization and weight normalization parametrizations.
+
+- :class:`CachedParametrization`: computes the reparametrized weight once for inference and
+  reuses it until one of its inputs changes.
+- :func:`defer_until_materialized`: registers a parametrization on a lazy module at its first
+  forward, once the weight exists.
+- lookups of the parametrizations registered on a module.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.autograd.function import FunctionCtx, once_differentiable
+from torch.nn.utils import parametrize
+
+_Key = tuple[tuple[int, int, torch.Size, torch.dtype, torch.device], ...]
+
+
+def _key(tensors: tuple[Tensor, ...]) -> _Key:
+    return tuple((t.data_ptr(), t._version, t.shape, t.dtype, t.device) for t in tensors)
+
+
+class _ReuseForward(torch.autograd.Function):
+    """Returns a cached result while giving the inputs the gradients of a fresh computation."""
+
+    @staticmethod
+    def forward(
+        ctx: FunctionCtx,
+        compute: Callable[..., Tensor],
+        cached: Tensor,
+        *tensors: Tensor,
+    ) -> Tensor:
+        ctx.compute = compute  # type: ignore[attr-defined]
+        ctx.save_for_backward(*tensors)
+        return cached.view_as(cached)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
+        inputs = [t.detach().requires_grad_(t.requires_grad) for t in ctx.saved_tensors]
+        wanted = [t for t in inputs if t.requires_grad]
+        with torch.enable_grad():
+            grads = iter(torch.autograd.grad(ctx.compute(*inputs), wanted, grad))
+        return (None, None, *(next(grads) if t.requires_grad else None for t in inputs))
+
+
+class CachedParametrization(nn.Module):
+    """A parametrization whose result is reused for inference.
+
+    Subclasses implement ``compute(*inputs, *own_parameters)``. The result is computed once
+    and reused, until an input or one of the module's own parameters changes (storage,
+    in-place version, shape, dtype or device), whenever no gradient can reach those tensors
+    (``torch.no_grad()``, ``inference_mode``, frozen weights) or the module is in eval mode.
+    In eval mode with autograd recording, the cached value is returned and the backward pass
+    recomputes the gradients from the inputs, so they stay exact.
+
+    In-place writes through ``.data`` bypass the version counter; the cache is also dropped
+    at every ``train()``/``eval()`` switch, which covers the usual train-then-evaluate loop.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._cached: Tensor | None = None
+        self._cached_key: _Key | None = None
+
+    def compute(self, *tensors: Tensor) -> Tensor:
+        raise NotImplementedError
+
+    def forward(self, *inputs: Tensor) -> Tensor:
+        tensors = inputs + tuple(p for p in self.parameters(recurse=False))
+        if torch.compiler.is_compiling():
+            return self.compute(*tensors)
+        needs_graph = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+        if needs_graph and self.training:
+            self.clear_cache()
+            return self.compute(*tensors)
+        key = _key(tensors)
+        if self._cached is None or key != self._cached_key:
+            with torch.no_grad():
+                self._cached = self.compute(*tensors)
+            self._cached_key = key
+        if needs_graph:
+            result: Tensor = _ReuseForward.apply(  # type: ignore[no-untyped-call]
+                self.compute, self._cached, *tensors
+            )
+            return result
+        return self._cached
+
+    def clear_cache(self) -> None:
+        self._cached = None
+        self._cached_key = None
+
+    def train(self, mode: bool = True) -> CachedParametrization:
+        self.clear_cache()
+        return super().train(mode)
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Copies and pickles recompute on first use instead of carrying a stale weight.
+        state = dict(super().__getstate__())  # type: ignore[no-untyped-call]
+        state["_cached"] = None
+        state["_cached_key"] = None
+        return state
+
+
+def parametrizations_of(module: nn.Module, name: str) -> list[nn.Module]:
+    """The parametrizations registered on ``module.<name>``, outermost last."""
+    if not parametrize.is_parametrized(module, name):
+        return []
+    return list(module.parametrizations[name])  # type: ignore[index]
+
+
+class _Deferred:
+    """Forward pre-hook that registers a parametrization once a lazy weight is materialized.
+
+    It runs after the lazy module's own pre-hook (hooks run in registration order), which
+    has created the weight by then, and removes itself after it has run.
+    """
+
+    def __init__(self, name: str, register: Callable[[nn.Module], object], marker: str) -> None:
+        self.name = name
+        self.register = register
+        self.marker = marker
+
+    def __call__(self, module: nn.Module, args: tuple[Any, ...]) -> None:
+        if is_uninitialized(getattr(module, self.name, None)):
+            return
+        cancel_deferred(module, self.name, self.marker)
+        self.register(module)
+
+
+def defer_until_materialized(
+    module: nn.Module, name: str, register: Callable[[nn.Module], object], marker: str
+) -> None:
+    """Runs ``register(module)`` at the first forward, when ``module.<name>`` exists."""
+    module.register_forward_pre_hook(_Deferred(name, register, marker))
+
+
+def deferred(module: nn.Module, name: str, marker: str) -> _Deferred | None:
+    """The pending registration of kind ``marker`` for ``module.<name>``, if any."""
+    for hook in module._forward_pre_hooks.values():
+        if isinstance(hook, _Deferred) and hook.name == name and hook.marker == marker:
+            return hook
+    return None
+
+
+def cancel_deferred(module: nn.Module, name: str, marker: str) -> bool:
+    """Removes a pending registration; returns whether there was one."""
+    for hook_id, hook in list(module._forward_pre_hooks.items()):
+        if isinstance(hook, _Deferred) and hook.name == name and hook.marker == marker:
+            del module._forward_pre_hooks[hook_id]
+            return True
+    return False
+
+
+def is_uninitialized(tensor: object) -> bool:
+    """Whether ``tensor`` is a lazy module's parameter or buffer that does not exist yet."""
+    return isinstance(tensor, (nn.UninitializedParameter, nn.UninitializedBuffer))

@@ -1,0 +1,651 @@
+"""Weight standardization: formula, every layer type, lazy, bake, cache, compile, errors."""
+
+from __future__ import annotations
+
+import copy
+import io
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+from torch.nn.utils import parametrize
+
+from normhooks import (
+    ScaledWeightStandardization,
+    WeightStandardization,
+    apply_weight_standardization,
+    remove_weight_standardization,
+    standardization,
+    standardize_weight,
+    weight_standardization,
+)
+
+
+def reference(weight: torch.Tensor, dim: int, eps: float, groups: int = 1) -> torch.Tensor:
+    """Standardizes slice by slice with explicit mean and biased variance, in float64."""
+    w = weight.double()
+    out = torch.empty_like(w)
+    if groups == 1:
+        for c in range(w.shape[dim]):
+            piece = w.select(dim, c)
+            out.select(dim, c).copy_(
+                (piece - piece.mean()) / torch.sqrt(piece.var(unbiased=False) + eps)
+            )
+        return out
+    # Grouped transposed convolution, dim=1: filter j of group k spans that group's inputs.
+    in_per_group = w.shape[0] // groups
+    for k in range(groups):
+        rows = slice(k * in_per_group, (k + 1) * in_per_group)
+        for j in range(w.shape[1]):
+            piece = w[rows, j]
+            out[rows, j] = (piece - piece.mean()) / torch.sqrt(piece.var(unbiased=False) + eps)
+    return out
+
+
+LAYERS: dict[str, Callable[[], nn.Module]] = {
+    "linear": lambda: nn.Linear(5, 4),
+    "bilinear": lambda: nn.Bilinear(3, 4, 2),
+    "embedding": lambda: nn.Embedding(6, 4),
+    "conv1d": lambda: nn.Conv1d(3, 4, 3),
+    "conv2d": lambda: nn.Conv2d(3, 4, 3, padding=1),
+    "conv2d-grouped": lambda: nn.Conv2d(4, 6, 3, groups=2),
+    "conv3d": lambda: nn.Conv3d(2, 3, 2),
+    "deconv1d": lambda: nn.ConvTranspose1d(3, 4, 3, stride=2),
+    "deconv2d": lambda: nn.ConvTranspose2d(3, 4, 3, stride=2),
+    "deconv2d-grouped": lambda: nn.ConvTranspose2d(4, 6, 3, stride=2, groups=2),
+    "deconv3d": lambda: nn.ConvTranspose3d(2, 3, 2),
+}
+
+
+def input_for(layer: nn.Module, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, ...]:
+    if isinstance(layer, nn.Embedding):
+        return (torch.tensor([[0, 3, 5], [1, 1, 2]]),)
+    if isinstance(layer, nn.Bilinear):
+        return (torch.randn(2, 3, dtype=dtype), torch.randn(2, 4, dtype=dtype))
+    if isinstance(layer, nn.Linear):
+        return (torch.randn(2, 5, dtype=dtype),)
+    assert isinstance(layer, nn.modules.conv._ConvNd)
+    spatial = (5,) * len(layer.kernel_size)
+    return (torch.randn(2, layer.in_channels, *spatial, dtype=dtype),)
+
+
+def output_axis(layer: nn.Module) -> int:
+    return 1 if isinstance(layer, nn.modules.conv._ConvTransposeNd) else 0
+
+
+@contextmanager
+def count_computations() -> Iterator[list[int]]:
+    """Counts standardizations actually computed (cache hits do not count)."""
+    calls = [0]
+    original = standardization.standardize_weight
+
+    def counting(*args: Any, **kwargs: Any) -> torch.Tensor:
+        calls[0] += 1
+        return original(*args, **kwargs)
+
+    standardization.standardize_weight = counting
+    try:
+        yield calls
+    finally:
+        standardization.standardize_weight = original
+
+
+# --- the formula ---------------------------------------------------------------------------
+
+
+@settings(deadline=None, max_examples=80)
+@given(
+    shape=st.lists(st.integers(1, 5), min_size=2, max_size=4).map(tuple),
+    dim_seed=st.integers(0, 100),
+    eps=st.sampled_from([1e-8, 1e-5, 1e-2, 1.0]),
+    seed=st.integers(0, 2**16),
+)
+def test_standardize_weight_matches_formula(
+    shape: tuple[int, ...], dim_seed: int, eps: float, seed: int
+) -> None:
+    torch.manual_seed(seed)
+    weight = torch.randn(shape, dtype=torch.float64)
+    dim = dim_seed % len(shape) - (len(shape) if dim_seed % 2 else 0)
+    torch.testing.assert_close(
+        standardize_weight(weight, dim, eps), reference(weight, dim % len(shape), eps)
+    )
+
+
+@settings(deadline=None, max_examples=30)
+@given(
+    groups=st.integers(1, 3),
+    in_per_group=st.integers(1, 3),
+    out_per_group=st.integers(1, 3),
+    kernel=st.integers(1, 3),
+)
+def test_grouped_transposed_filters_span_their_group(
+    groups: int, in_per_group: int, out_per_group: int, kernel: int
+) -> None:
+    layer = nn.ConvTranspose2d(
+        groups * in_per_group, groups * out_per_group, kernel, groups=groups
+    ).double()
+    weight = layer.weight.detach().clone()
+    weight_standardization(layer)
+    torch.testing.assert_close(layer.weight, reference(weight, 1, 1e-5, groups=groups))
+
+
+@pytest.mark.parametrize("name", LAYERS)
+def test_default_dim_is_output_channels(name: str) -> None:
+    layer = LAYERS[name]().double()
+    weight = layer.weight.detach().clone()
+    weight_standardization(layer)
+    groups = getattr(layer, "groups", 1) if output_axis(layer) == 1 else 1
+    torch.testing.assert_close(
+        layer.weight, reference(weight, output_axis(layer), 1e-5, groups=groups)
+    )
+
+
+def test_dim0_on_transposed_conv_is_per_input_channel() -> None:
+    layer = nn.ConvTranspose2d(3, 4, 3).double()
+    weight = layer.weight.detach().clone()
+    weight_standardization(layer, dim=0)
+    torch.testing.assert_close(layer.weight, reference(weight, 0, 1e-5))
+
+
+@pytest.mark.parametrize("scaled", [False, True], ids=["plain", "scaled"])
+@pytest.mark.parametrize("name", LAYERS)
+def test_gradcheck(name: str, scaled: bool) -> None:
+    layer = LAYERS[name]().double()
+    weight_standardization(layer, scaled=scaled, gamma=1.7)
+    if scaled:
+        with torch.no_grad():
+            layer.parametrizations.weight[0].gain.uniform_(0.5, 1.5)
+    raw = layer.parametrizations.weight.original
+    tensors = [raw] + ([layer.parametrizations.weight[0].gain] if scaled else [])
+
+    parametrization = layer.parametrizations.weight[0]
+    inputs = tuple(t.detach().clone().requires_grad_() for t in tensors)
+    assert torch.autograd.gradcheck(parametrization.compute, inputs)
+
+
+@pytest.mark.parametrize("name", LAYERS)
+def test_gradcheck_through_layer(name: str) -> None:
+    layer = LAYERS[name]().double()
+    weight_standardization(layer)
+    inputs = input_for(layer, torch.float64)
+    original = layer.parametrizations.weight.original
+
+    def run(weight: torch.Tensor) -> torch.Tensor:
+        return torch.func.functional_call(
+            layer, {"parametrizations.weight.original": weight}, inputs
+        )
+
+    assert torch.autograd.gradcheck(run, (original.detach().clone().requires_grad_(),))
+
+
+def test_scaled_ws_formula() -> None:
+    layer = nn.Conv2d(3, 5, 3).double()
+    weight = layer.weight.detach().clone()
+    weight_standardization(layer, scaled=True, gamma=2.0)
+    gain = layer.parametrizations.weight[0].gain
+    assert isinstance(gain, nn.Parameter)
+    torch.testing.assert_close(gain, torch.ones(5, dtype=torch.float64))
+    with torch.no_grad():
+        gain.copy_(torch.arange(1.0, 6.0))
+    expected = (
+        reference(weight, 0, 1e-5)
+        * (2.0 / 27**0.5)
+        * torch.arange(1.0, 6.0).view(-1, 1, 1, 1).double()
+    )
+    torch.testing.assert_close(layer.weight, expected)
+
+
+def test_scaled_ws_gain_per_output_channel_of_grouped_transposed() -> None:
+    layer = nn.ConvTranspose2d(4, 6, 3, groups=2).double()
+    weight_standardization(layer, scaled=True)
+    gain = layer.parametrizations.weight[0].gain
+    assert gain.shape == (6,)
+    layer(torch.randn(1, 4, 4, 4, dtype=torch.float64)).sum().backward()
+    assert gain.grad is not None
+    assert torch.isfinite(gain.grad).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_half_precision_statistics_in_float32(dtype: torch.dtype) -> None:
+    weight = (torch.randn(8, 300) * 50 + 1000).to(dtype)
+    result = standardize_weight(weight)
+    assert result.dtype == dtype
+    torch.testing.assert_close(result, standardize_weight(weight.float()).to(dtype), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(
+    "layer",
+    [nn.Linear(1, 3), nn.Conv2d(4, 4, 1, groups=4)],
+    ids=["linear-one-input", "depthwise-1x1"],
+)
+def test_one_element_filter_gives_zeros_with_finite_grads(layer: nn.Module) -> None:
+    weight_standardization(layer)
+    torch.testing.assert_close(layer.weight, torch.zeros_like(layer.weight))
+    x = torch.randn(2, 1) if isinstance(layer, nn.Linear) else torch.randn(2, 4, 3, 3)
+    layer(x).square().sum().backward()
+    assert torch.isfinite(layer.parametrizations.weight.original.grad).all()
+
+
+def test_constant_filter_gives_zeros_with_finite_grads() -> None:
+    layer = nn.Conv2d(2, 3, 3)
+    with torch.no_grad():
+        layer.weight.fill_(0.7)
+    weight_standardization(layer)
+    torch.testing.assert_close(layer.weight, torch.zeros_like(layer.weight))
+    layer(torch.randn(2, 2, 5, 5)).square().sum().backward()
+    assert torch.isfinite(layer.parametrizations.weight.original.grad).all()
+
+
+# --- registration, lazy modules, removal ---------------------------------------------------
+
+
+def test_raw_weight_keeps_parameter_identity() -> None:
+    layer = nn.Conv2d(3, 4, 3)
+    raw = layer.weight
+    weight_standardization(layer)
+    assert layer.parametrizations.weight.original is raw
+
+
+@pytest.mark.parametrize(
+    ("make", "x"),
+    [
+        (lambda: nn.LazyConv2d(4, 3), torch.randn(2, 3, 6, 6)),
+        (lambda: nn.LazyLinear(4), torch.randn(2, 7)),
+        (lambda: nn.LazyConvTranspose2d(4, 3, groups=1), torch.randn(2, 3, 4, 4)),
+    ],
+    ids=["lazy-conv2d", "lazy-linear", "lazy-deconv2d"],
+)
+@pytest.mark.parametrize("scaled", [False, True], ids=["plain", "scaled"])
+def test_lazy_module_standardized_from_first_forward(
+    make: Callable[[], nn.Module], x: torch.Tensor, scaled: bool
+) -> None:
+    layer = make()
+    weight_standardization(layer, scaled=scaled)
+    y = layer(x)
+    assert parametrize.is_parametrized(layer, "weight")
+    raw = layer.parametrizations.weight.original
+    expected = reference(raw.detach(), output_axis(layer), 1e-5).float()
+    if scaled:
+        expected = (
+            expected * (raw[0].numel() if output_axis(layer) == 0 else raw[:, 0].numel()) ** -0.5
+        )
+    torch.testing.assert_close(layer.weight, expected, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(layer(x), y)
+
+
+def test_lazy_model_via_apply() -> None:
+    model = nn.Sequential(nn.LazyConv2d(4, 3), nn.GroupNorm(2, 4), nn.LazyConv2d(2, 1))
+    apply_weight_standardization(model)
+    with pytest.raises(ValueError, match="already standardized"):
+        weight_standardization(model[0])
+    model(torch.randn(1, 3, 5, 5))
+    assert all(parametrize.is_parametrized(model[i], "weight") for i in (0, 2))
+
+
+def test_remove_pending_lazy_standardization() -> None:
+    layer = nn.LazyLinear(3)
+    weight_standardization(layer)
+    remove_weight_standardization(layer)
+    layer(torch.randn(2, 4))
+    assert not parametrize.is_parametrized(layer, "weight")
+
+
+def test_lazy_dim_checked_at_registration() -> None:
+    with pytest.raises(ValueError, match=r"dim must be in \[-4, 3\] for LazyConv2d.weight"):
+        weight_standardization(nn.LazyConv2d(4, 3), dim=4)
+
+
+def test_bake_keeps_output_and_parameter_identity() -> None:
+    layer = nn.Conv2d(3, 4, 3)
+    raw = layer.weight
+    weight_standardization(layer, scaled=True)
+    with torch.no_grad():
+        layer.parametrizations.weight[0].gain.uniform_(0.5, 2.0)
+    x = torch.randn(2, 3, 6, 6)
+    expected = layer(x)
+    optimizer = torch.optim.SGD([raw], lr=0.1)
+    remove_weight_standardization(layer, bake=True)
+    assert layer.weight is raw
+    assert type(layer) is nn.Conv2d
+    torch.testing.assert_close(layer(x), expected)
+    before = raw.detach().clone()
+    layer(x).sum().backward()
+    optimizer.step()
+    assert not torch.equal(raw, before)
+
+
+def test_restore_gives_back_raw_weight() -> None:
+    layer = nn.Linear(4, 3)
+    raw_values = layer.weight.detach().clone()
+    weight_standardization(layer)
+    remove_weight_standardization(layer, bake=False)
+    torch.testing.assert_close(layer.weight, raw_values, rtol=0, atol=0)
+
+
+def test_remove_outermost_of_a_stack() -> None:
+    layer = nn.Linear(4, 3)
+    parametrize.register_parametrization(layer, "weight", _Double())
+    weight_standardization(layer)
+    remove_weight_standardization(layer, bake=False)
+    assert [type(p) for p in layer.parametrizations.weight] == [_Double]
+
+
+class _Double(nn.Module):
+    def forward(self, weight: torch.Tensor) -> torch.Tensor:
+        return 2 * weight
+
+
+def test_apply_default_layer_types() -> None:
+    model = nn.Sequential(
+        nn.Conv2d(3, 4, 3),
+        nn.GroupNorm(2, 4),
+        nn.ConvTranspose2d(4, 4, 2),
+        nn.Flatten(),
+        nn.LazyLinear(2),
+    )
+    assert apply_weight_standardization(model) is model
+    assert parametrize.is_parametrized(model[0], "weight")
+    assert parametrize.is_parametrized(model[2], "weight")
+    assert not parametrize.is_parametrized(model[1], "weight")
+    model(torch.randn(1, 3, 6, 6))
+    assert not parametrize.is_parametrized(model[4], "weight")
+
+
+def test_apply_chosen_layer_types_and_skip_already_standardized() -> None:
+    model = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2), nn.Conv1d(1, 1, 1))
+    weight_standardization(model[0], eps=1e-3)
+    apply_weight_standardization(model, layer_types=nn.Linear, eps=1e-4)
+    assert model[0].parametrizations.weight[0].eps == 1e-3
+    assert model[2].parametrizations.weight[0].eps == 1e-4
+    assert not parametrize.is_parametrized(model[3], "weight")
+    apply_weight_standardization(model, layer_types=[nn.Conv1d], scaled=True)
+    assert isinstance(model[3].parametrizations.weight[0], ScaledWeightStandardization)
+
+
+# --- state_dict, copies, compile ----------------------------------------------------------
+
+
+def test_state_dict_keys_follow_parametrize_convention() -> None:
+    layer = weight_standardization(nn.Conv2d(3, 4, 3), scaled=True)
+    assert set(layer.state_dict()) == {
+        "bias",
+        "parametrizations.weight.original",
+        "parametrizations.weight.0.gain",
+    }
+
+
+def test_state_dict_round_trip() -> None:
+    source = weight_standardization(nn.Conv2d(3, 4, 3), scaled=True)
+    with torch.no_grad():
+        source.parametrizations.weight[0].gain.uniform_()
+    target = weight_standardization(nn.Conv2d(3, 4, 3), scaled=True)
+    buffer = io.BytesIO()
+    torch.save(source.state_dict(), buffer)
+    buffer.seek(0)
+    target.load_state_dict(torch.load(buffer))
+    x = torch.randn(1, 3, 5, 5)
+    torch.testing.assert_close(target(x), source(x))
+
+
+def test_deepcopy_is_independent() -> None:
+    layer = weight_standardization(nn.Linear(4, 3)).eval()
+    with torch.no_grad():
+        layer(torch.randn(1, 4))
+    clone = copy.deepcopy(layer)
+    with torch.no_grad():
+        clone.parametrizations.weight.original.add_(1.0)
+        x = torch.randn(2, 4)
+        assert not torch.equal(clone(x), layer(x))
+    torch.testing.assert_close(
+        clone.weight, standardize_weight(clone.parametrizations.weight.original.detach())
+    )
+
+
+def test_baked_model_loads_into_plain_model() -> None:
+    source = weight_standardization(nn.Conv2d(3, 4, 3))
+    x = torch.randn(1, 3, 5, 5)
+    expected = source(x)
+    remove_weight_standardization(source)
+    plain = nn.Conv2d(3, 4, 3)
+    plain.load_state_dict(source.state_dict())
+    torch.testing.assert_close(plain(x), expected)
+
+
+def test_compiled_training_step_matches_eager() -> None:
+    torch._dynamo.reset()
+
+    def make() -> nn.Module:
+        torch.manual_seed(3)
+        return apply_weight_standardization(
+            nn.Sequential(nn.Conv2d(3, 4, 3), nn.GroupNorm(2, 4), nn.ReLU(), nn.Conv2d(4, 2, 3))
+        )
+
+    eager, compiled = make(), make()
+    x = torch.randn(2, 3, 8, 8)
+
+    def step(model: nn.Module, optimizer: torch.optim.Optimizer) -> torch.Tensor:
+        optimizer.zero_grad()
+        loss = model(x).square().mean()
+        loss.backward()
+        optimizer.step()
+        return loss
+
+    eager_opt = torch.optim.SGD(eager.parameters(), lr=0.1)
+    compiled_opt = torch.optim.SGD(compiled.parameters(), lr=0.1)
+    compiled_step = torch.compile(step, backend="aot_eager")
+    for _ in range(3):
+        torch.testing.assert_close(compiled_step(compiled, compiled_opt), step(eager, eager_opt))
+    for a, b in zip(eager.parameters(), compiled.parameters(), strict=True):
+        torch.testing.assert_close(a, b)
+
+
+# --- eval cache ----------------------------------------------------------------------------
+
+
+def test_eval_reuses_standardized_weight() -> None:
+    layer = weight_standardization(nn.Conv2d(3, 4, 3)).eval()
+    x = torch.randn(1, 3, 5, 5)
+    with count_computations() as calls, torch.no_grad():
+        first = layer(x)
+        second = layer(x)
+    assert calls[0] == 1
+    torch.testing.assert_close(first, second, rtol=0, atol=0)
+
+
+def test_no_grad_in_train_mode_reuses_weight() -> None:
+    layer = weight_standardization(nn.Linear(4, 3))
+    with count_computations() as calls, torch.no_grad():
+        layer(torch.randn(2, 4))
+        layer(torch.randn(2, 4))
+    assert calls[0] == 1
+
+
+def test_training_forward_is_never_cached() -> None:
+    layer = weight_standardization(nn.Linear(4, 3))
+    with count_computations() as calls:
+        layer(torch.randn(2, 4))
+        layer(torch.randn(2, 4))
+    assert calls[0] == 2
+
+
+def test_cache_invalidated_by_optimizer_step() -> None:
+    layer = weight_standardization(nn.Linear(4, 3))
+    optimizer = torch.optim.SGD(layer.parameters(), lr=0.5)
+    x = torch.randn(2, 4)
+    with torch.no_grad():
+        stale = layer(x)
+    layer(x).square().sum().backward()
+    optimizer.step()
+    with count_computations() as calls, torch.no_grad():
+        fresh = layer(x)
+    assert calls[0] == 1
+    assert not torch.allclose(fresh, stale)
+    torch.testing.assert_close(
+        layer.weight, standardize_weight(layer.parametrizations.weight.original.detach())
+    )
+
+
+def test_cache_invalidated_by_load_state_dict() -> None:
+    layer = weight_standardization(nn.Linear(4, 3)).eval()
+    other = weight_standardization(nn.Linear(4, 3))
+    with torch.no_grad():
+        layer(torch.randn(1, 4))
+    layer.load_state_dict(other.state_dict())
+    with torch.no_grad():
+        torch.testing.assert_close(layer.weight, other.weight)
+
+
+def test_data_writes_picked_up_at_mode_switch() -> None:
+    layer = weight_standardization(nn.Linear(4, 3)).eval()
+    with torch.no_grad():
+        layer(torch.randn(1, 4))
+    layer.train()
+    layer.parametrizations.weight.original.data.mul_(-1)
+    layer.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(
+            layer.weight, standardize_weight(layer.parametrizations.weight.original.detach())
+        )
+
+
+def test_eval_mode_with_autograd_keeps_exact_gradients() -> None:
+    layer = weight_standardization(nn.Conv2d(3, 4, 3), scaled=True)
+    reference_layer = copy.deepcopy(layer)
+    x = torch.randn(2, 3, 5, 5)
+    layer.eval()
+    with count_computations() as calls:
+        layer(x).square().sum().backward()
+        layer(x).square().sum().backward()
+    assert calls[0] == 1 + 2  # one cached forward, one recomputation per backward
+    reference_layer(x).square().sum().backward()
+    reference_layer(x).square().sum().backward()
+    for a, b in zip(layer.parameters(), reference_layer.parameters(), strict=True):
+        torch.testing.assert_close(a.grad, b.grad)
+
+
+def test_cached_weight_cannot_be_modified_in_place_under_autograd() -> None:
+    layer = weight_standardization(nn.Linear(4, 3)).eval()
+    with pytest.raises(RuntimeError, match="is a view and is being modified inplace"):
+        layer.weight.add_(1.0)
+
+
+# --- errors --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("make", "kwargs", "error", "match"),
+    [
+        (
+            lambda: nn.Linear(3, 2),
+            {"name": "wieght"},
+            ValueError,
+            "Linear has no parameter named 'wieght'",
+        ),
+        (
+            lambda: nn.BatchNorm2d(3),
+            {"name": "running_mean"},
+            TypeError,
+            r"BatchNorm2d\.running_mean must be a torch\.nn\.Parameter.*got Tensor",
+        ),
+        (
+            lambda: nn.Linear(3, 2),
+            {"name": "bias"},
+            ValueError,
+            r"Linear\.bias has 1 dimension; weight standardization needs a weight with at least 2",
+        ),
+        (
+            lambda: nn.Conv2d(3, 2, 3),
+            {"dim": 4},
+            ValueError,
+            r"dim must be in \[-4, 3\] for Conv2d\.weight with 4 dimensions, got dim=4",
+        ),
+        (lambda: nn.Linear(3, 2), {"eps": 0.0}, ValueError, "eps must be positive, got eps=0.0"),
+        (lambda: nn.Linear(3, 2), {"eps": -1e-5}, ValueError, "eps must be positive"),
+        (
+            lambda: nn.Linear(3, 2),
+            {"scaled": True, "gamma": 0.0},
+            ValueError,
+            "gamma must be positive, got gamma=0.0",
+        ),
+        (
+            lambda: nn.Linear(3, 2, bias=False),
+            {"name": "bias"},
+            ValueError,
+            r"Linear\.bias is None",
+        ),
+    ],
+    ids=[
+        "no-attribute",
+        "not-parameter",
+        "1d",
+        "dim-range",
+        "eps-zero",
+        "eps-neg",
+        "gamma",
+        "none",
+    ],
+)
+def test_registration_errors_leave_module_unchanged(
+    make: Callable[[], nn.Module], kwargs: dict[str, object], error: type[Exception], match: str
+) -> None:
+    layer = make()
+    state = copy.deepcopy(layer.state_dict())
+    with pytest.raises(error, match=match):
+        weight_standardization(layer, **kwargs)  # type: ignore[arg-type]
+    assert not parametrize.is_parametrized(layer)
+    assert set(layer.state_dict()) == set(state)
+
+
+def test_non_floating_weight() -> None:
+    layer = nn.Linear(3, 2)
+    layer.weight = nn.Parameter(torch.ones(2, 3, dtype=torch.int64), requires_grad=False)
+    with pytest.raises(TypeError, match=r"Linear\.weight must be a floating-point tensor.*int64"):
+        weight_standardization(layer)
+
+
+def test_standardizing_twice() -> None:
+    layer = weight_standardization(nn.Conv2d(3, 4, 3))
+    with pytest.raises(ValueError, match=r"Conv2d\.weight is already standardized"):
+        weight_standardization(layer)
+    assert len(layer.parametrizations.weight) == 1
+
+
+def test_removing_what_is_not_there() -> None:
+    with pytest.raises(ValueError, match=r"Linear\.weight is not standardized; nothing to remove"):
+        remove_weight_standardization(nn.Linear(3, 2))
+
+
+def test_baking_a_stack_is_refused() -> None:
+    layer = nn.Linear(4, 3)
+    parametrize.register_parametrization(layer, "weight", _Double())
+    weight_standardization(layer)
+    with pytest.raises(ValueError, match="other parametrizations besides weight standardization"):
+        remove_weight_standardization(layer, bake=True)
+
+
+def test_apply_errors() -> None:
+    with pytest.raises(TypeError, match=r"layer_types must be nn\.Module subclasses, got 3"):
+        apply_weight_standardization(nn.Linear(2, 2), layer_types=[3])  # type: ignore[list-item]
+    with pytest.raises(ValueError, match="eps must be positive"):
+        apply_weight_standardization(nn.Linear(2, 2), eps=0)
+
+
+def test_parametrization_constructor_errors() -> None:
+    with pytest.raises(ValueError, match="eps must be positive"):
+        WeightStandardization(eps=0.0)
+    with pytest.raises(TypeError, match=r"dim must be an int, got dim=0\.5"):
+        WeightStandardization(dim=0.5)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="groups must be a positive int"):
+        WeightStandardization(groups=0)
+    with pytest.raises(ValueError, match="num_channels must be a positive int"):
+        ScaledWeightStandardization(0)
+
+
+def test_module_argument_checked() -> None:
+    with pytest.raises(TypeError, match=r"module must be a torch\.nn\.Module, got str"):
+        weight_standardization("conv")  # type: ignore[arg-type]
