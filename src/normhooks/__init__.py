@@ -1,6 +1,13 @@
 """normhooks: GradientLARS, weight standardization and weight normalization for PyTorch."""
 
 from normhooks.lars import GradientLARS, lars_, lars_param_groups
+from normhooks.normalization import (
+    WeightNorm,
+    convert_with_weight_normalization,
+    data_dependent_init,
+    remove_weight_norm,
+    weight_norm,
+)
 from normhooks.standardization import (
     ScaledWeightStandardization,
     WeightStandardization,
@@ -13,12 +20,17 @@ from normhooks.standardization import (
 __all__ = [
     "GradientLARS",
     "ScaledWeightStandardization",
+    "WeightNorm",
     "WeightStandardization",
     "apply_weight_standardization",
+    "convert_with_weight_normalization",
+    "data_dependent_init",
     "lars_",
     "lars_param_groups",
+    "remove_weight_norm",
     "remove_weight_standardization",
     "standardize_weight",
+    "weight_norm",
     "weight_standardization",
 ]
 __version__ = "0.1.0"

@@ -4,18 +4,21 @@
   reuses it until one of its inputs changes.
 - :func:`defer_until_materialized`: registers a parametrization on a lazy module at its first
   forward, once the weight exists.
-- lookups of the parametrizations registered on a module.
+- the argument checks and naming shared by the registration functions.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
 from torch.autograd.function import FunctionCtx, once_differentiable
 from torch.nn.utils import parametrize
+
+HALF_DTYPES = (torch.float16, torch.bfloat16)
+TRANSPOSED = (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
 
 _Key = tuple[tuple[int, int, torch.Size, torch.dtype, torch.device], ...]
 
@@ -110,7 +113,25 @@ def parametrizations_of(module: nn.Module, name: str) -> list[nn.Module]:
     """The parametrizations registered on ``module.<name>``, outermost last."""
     if not parametrize.is_parametrized(module, name):
         return []
-    return list(module.parametrizations[name])  # type: ignore[index]
+    return list(originals(module, name))
+
+
+def parametrized_names(module: nn.Module) -> list[str]:
+    """Names of ``module``'s parametrized tensors."""
+    holder = module._modules.get("parametrizations")
+    return list(holder.keys()) if isinstance(holder, nn.ModuleDict) else []
+
+
+def originals(module: nn.Module, name: str) -> parametrize.ParametrizationList:
+    """The ParametrizationList of ``module.<name>``, which holds its original tensors."""
+    holder = module._modules["parametrizations"]
+    assert isinstance(holder, nn.ModuleDict)
+    return cast(parametrize.ParametrizationList, holder[name])
+
+
+def original(module: nn.Module, name: str, which: str) -> nn.Parameter:
+    """One original tensor of ``module.<name>``: ``original``, ``original0``, ..."""
+    return cast(nn.Parameter, getattr(originals(module, name), which))
 
 
 class _Deferred:
@@ -126,7 +147,7 @@ class _Deferred:
         self.marker = marker
 
     def __call__(self, module: nn.Module, args: tuple[Any, ...]) -> None:
-        if is_uninitialized(getattr(module, self.name, None)):
+        if any(is_uninitialized(p) for p in module.parameters(recurse=False)):
             return
         cancel_deferred(module, self.name, self.marker)
         self.register(module)
@@ -159,3 +180,68 @@ def cancel_deferred(module: nn.Module, name: str, marker: str) -> bool:
 def is_uninitialized(tensor: object) -> bool:
     """Whether ``tensor`` is a lazy module's parameter or buffer that does not exist yet."""
     return isinstance(tensor, (nn.UninitializedParameter, nn.UninitializedBuffer))
+
+
+def layer_name(module: nn.Module) -> str:
+    """The module's class name, without the ``Parametrized`` class parametrize wraps it in."""
+    cls = type(module)
+    if parametrize.is_parametrized(module):
+        cls = cls.__bases__[0]
+    return cls.__name__
+
+
+def describe(module: nn.Module, name: str) -> str:
+    """How errors name a module's parameter: ``Conv2d.weight``."""
+    return f"{layer_name(module)}.{name}"
+
+
+def expected_ndim(module: nn.Module) -> int | None:
+    """The weight's dimensions, for lazy modules whose weight does not exist yet."""
+    if isinstance(module, nn.modules.conv._ConvNd):
+        return 2 + len(module.kernel_size)
+    if isinstance(module, nn.Linear):
+        return 2
+    return None
+
+
+def output_axis(module: nn.Module) -> int:
+    """The axis of a layer's weight that indexes its output channels."""
+    return 1 if isinstance(module, TRANSPOSED) else 0
+
+
+def checked_tensor(module: nn.Module, name: str, what: str) -> Tensor | None:
+    """The tensor ``module.<name>`` after the checks every entry point shares.
+
+    Returns None for a lazy module's weight that does not exist yet.
+    """
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
+    if not isinstance(name, str):
+        raise TypeError(f"name must be a str, got name={name!r}")
+    if parametrize.is_parametrized(module, name):
+        # Stacked on another parametrization: what gets standardized is its output.
+        weight: Tensor | None = getattr(module, name)
+    elif name in module._parameters:
+        weight = module._parameters[name]
+    elif hasattr(module, name):
+        found = type(getattr(module, name)).__name__
+        raise TypeError(
+            f"{describe(module, name)} must be a torch.nn.Parameter to apply {what}, got {found}"
+        )
+    else:
+        raise ValueError(f"{layer_name(module)} has no parameter named {name!r}")
+    if weight is None:
+        raise ValueError(f"{describe(module, name)} is None; there is no weight to {what}")
+    if is_uninitialized(weight):
+        return None
+    if not isinstance(weight, nn.Parameter) and not parametrize.is_parametrized(module, name):
+        raise TypeError(
+            f"{describe(module, name)} must be a torch.nn.Parameter to apply {what}, "
+            f"got {type(weight).__name__}"
+        )
+    if not weight.is_floating_point():
+        raise TypeError(
+            f"{describe(module, name)} must be a floating-point tensor for {what}, "
+            f"got dtype {weight.dtype}"
+        )
+    return weight

@@ -19,11 +19,16 @@ from torch.nn.utils import parametrize
 
 from normhooks import _checks
 from normhooks._parametrization import (
+    HALF_DTYPES,
+    TRANSPOSED,
     CachedParametrization,
     cancel_deferred,
+    checked_tensor,
     defer_until_materialized,
     deferred,
-    is_uninitialized,
+    describe,
+    expected_ndim,
+    output_axis,
     parametrizations_of,
 )
 
@@ -36,8 +41,6 @@ __all__ = [
     "weight_standardization",
 ]
 
-_HALF_DTYPES = (torch.float16, torch.bfloat16)
-_TRANSPOSED = (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
 _MARKER = "weight_standardization"
 
 
@@ -106,7 +109,7 @@ def standardize_weight(
                 [ 0.0000,  0.0000,  0.0000]])
     """
     rows, shape = _rows(weight, dim, groups)
-    exact = rows.float() if rows.dtype in _HALF_DTYPES else rows
+    exact = rows.float() if rows.dtype in HALF_DTYPES else rows
     if exact.numel() == 0:
         return weight.clone()
     # Each row as one sample of a one-group group norm, which is how Chainer computes it; on
@@ -209,78 +212,23 @@ class ScaledWeightStandardization(WeightStandardization):
         return f"{super().extra_repr()}, gamma={self.gamma}, num_channels={self.gain.numel()}"
 
 
-def _describe(module: nn.Module, name: str) -> str:
-    return f"{type(module).__name__}.{name}"
-
-
 def _is_standardized(module: nn.Module, name: str) -> bool:
     return deferred(module, name, _MARKER) is not None or any(
         isinstance(p, WeightStandardization) for p in parametrizations_of(module, name)
     )
 
 
-def _expected_ndim(module: nn.Module) -> int | None:
-    """The weight's dimensions, for lazy modules whose weight does not exist yet."""
-    if isinstance(module, nn.modules.conv._ConvNd):
-        return 2 + len(module.kernel_size)
-    if isinstance(module, nn.Linear):
-        return 2
-    return None
-
-
-def _default_dim(module: nn.Module) -> int:
-    return 1 if isinstance(module, _TRANSPOSED) else 0
-
-
-def _check_weight(module: nn.Module, name: str, what: str) -> Tensor | None:
-    """The tensor ``module.<name>`` after the checks every entry point shares.
-
-    Returns None for a lazy module's weight that does not exist yet.
-    """
-    if not isinstance(module, nn.Module):
-        raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
-    if not isinstance(name, str):
-        raise TypeError(f"name must be a str, got name={name!r}")
-    if parametrize.is_parametrized(module, name):
-        # Stacked on another parametrization: what gets standardized is its output.
-        weight: Tensor | None = getattr(module, name)
-    elif name in module._parameters:
-        weight = module._parameters[name]
-    elif hasattr(module, name):
-        found = type(getattr(module, name)).__name__
-        raise TypeError(
-            f"{_describe(module, name)} must be a torch.nn.Parameter to apply {what}, got {found}"
-        )
-    else:
-        raise ValueError(f"{type(module).__name__} has no parameter named {name!r}")
-    if weight is None:
-        raise ValueError(f"{_describe(module, name)} is None; there is no weight to {what}")
-    if is_uninitialized(weight):
-        return None
-    if not isinstance(weight, nn.Parameter) and not parametrize.is_parametrized(module, name):
-        raise TypeError(
-            f"{_describe(module, name)} must be a torch.nn.Parameter to apply {what}, "
-            f"got {type(weight).__name__}"
-        )
-    if not weight.is_floating_point():
-        raise TypeError(
-            f"{_describe(module, name)} must be a floating-point tensor for {what}, "
-            f"got dtype {weight.dtype}"
-        )
-    return weight
-
-
 def _resolve(module: nn.Module, name: str, ndim: int, dim: int | None) -> tuple[int, int]:
     """The standardized axis and the input-channel groups its slices span."""
-    where = _describe(module, name)
+    where = describe(module, name)
     if ndim < 2:
         raise ValueError(
             f"{where} has {ndim} dimension{'s' if ndim != 1 else ''}; weight "
             "standardization needs a weight with at least 2"
         )
-    axis = _default_dim(module) if dim is None else _checks.axis("dim", dim, ndim, where)
+    axis = output_axis(module) if dim is None else _checks.axis("dim", dim, ndim, where)
     groups = getattr(module, "groups", 1)
-    spans_groups = isinstance(module, _TRANSPOSED) and axis == 1 and groups > 1
+    spans_groups = isinstance(module, TRANSPOSED) and axis == 1 and groups > 1
     return axis, groups if spans_groups else 1
 
 
@@ -330,11 +278,11 @@ def weight_standardization(
     eps = _checks.positive("eps", eps)
     scaled = _checks.boolean("scaled", scaled)
     gamma = _checks.positive("gamma", gamma)
-    weight = _check_weight(module, name, "weight standardization")
+    weight = checked_tensor(module, name, "weight standardization")
     if _is_standardized(module, name):
-        raise ValueError(f"{_describe(module, name)} is already standardized")
+        raise ValueError(f"{describe(module, name)} is already standardized")
     if weight is None:
-        ndim = _expected_ndim(module)
+        ndim = expected_ndim(module)
         if ndim is not None:
             _resolve(module, name, ndim, dim)
 
@@ -443,11 +391,11 @@ def remove_weight_standardization(
         return module
     chain = parametrizations_of(module, name)
     if not any(isinstance(p, WeightStandardization) for p in chain):
-        raise ValueError(f"{_describe(module, name)} is not standardized; nothing to remove")
+        raise ValueError(f"{describe(module, name)} is not standardized; nothing to remove")
     if len(chain) > 1:
         if bake or not isinstance(chain[-1], WeightStandardization):
             raise ValueError(
-                f"{_describe(module, name)} has other parametrizations besides weight "
+                f"{describe(module, name)} has other parametrizations besides weight "
                 "standardization; only an outermost standardization can be removed, with "
                 "bake=False"
             )
