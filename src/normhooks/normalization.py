@@ -1,0 +1,575 @@
+r"""Weight Normalization for whole modules, with the paper's data-dependent initialization.
+
+Implements T. Salimans and D. P. Kingma, "Weight Normalization: A Simple Reparameterization
+to Accelerate Training of Deep Neural Networks", arXiv:1602.07868 (2016), as the Chainer
+converter ``convert_with_weight_normalization`` does it (every parameter with 2 or more
+dimensions, unit-norm direction at conversion), and the initialization of section 3 that the
+original left as a TODO.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.nn.utils import parametrize
+
+from normhooks import _checks
+from normhooks._parametrization import (
+    HALF_DTYPES,
+    CachedParametrization,
+    cancel_deferred,
+    checked_tensor,
+    defer_until_materialized,
+    deferred,
+    describe,
+    is_uninitialized,
+    layer_name,
+    original,
+    originals,
+    output_axis,
+    parametrizations_of,
+    parametrized_names,
+)
+
+__all__ = [
+    "WeightNorm",
+    "convert_with_weight_normalization",
+    "data_dependent_init",
+    "remove_weight_norm",
+    "weight_norm",
+]
+
+_MARKER = "weight_norm"
+_ALL = "*"  # a deferred conversion of every parameter of a lazy module
+
+M = TypeVar("M", bound=nn.Module)
+
+
+def _norm_dims(ndim: int, dim: int) -> list[int]:
+    return [d for d in range(ndim) if d != dim]
+
+
+def _row_norms(tensor: Tensor, dim: int) -> Tensor:
+    """Euclidean norms over every axis but ``dim``, kept for broadcasting; float32 for halves."""
+    norms: Tensor = torch.linalg.vector_norm(
+        tensor,
+        dim=_norm_dims(tensor.ndim, dim),
+        keepdim=True,
+        dtype=torch.float32 if tensor.dtype in HALF_DTYPES else None,
+    )
+    return norms
+
+
+def _safe_denominator(norm: Tensor, eps: float) -> Tensor:
+    if eps > 0:
+        return norm + eps
+    # A zero row with eps=0 would give 0/0: divide it by 1 instead, so it stays zero.
+    return torch.where(norm > 0, norm, torch.ones_like(norm))
+
+
+class WeightNorm(CachedParametrization):
+    r"""Parametrization ``(g, v) -> W = g * v / (||v|| + eps)``, norms over all axes but ``dim``.
+
+    Its ``right_inverse`` is the original converter's decomposition of a weight :math:`W`:
+    :math:`g = \|W\| + \epsilon` and :math:`v = W / (\|W\| + \epsilon)` (unit rows), so a
+    module's output is unchanged by the conversion. The originals are stored where
+    ``torch.nn.utils.parametrizations.weight_norm`` stores them: ``original0`` is g (shape
+    with 1s except at ``dim``), ``original1`` is v. In eval mode or under ``torch.no_grad()``
+    the weight is computed once and reused until g or v changes.
+
+    Args:
+        dim: the output axis: one norm per index of it.
+        eps: added to the norm; 0 is allowed (zero rows still give zero weights).
+
+    Example:
+        >>> from torch.nn.utils import parametrize
+        >>> linear = torch.nn.Linear(3, 2)
+        >>> before = linear.weight.detach().clone()
+        >>> _ = parametrize.register_parametrization(linear, "weight", WeightNorm())
+        >>> torch.allclose(linear.weight, before)
+        True
+    """
+
+    def __init__(self, dim: int = 0, eps: float = 1e-12) -> None:
+        super().__init__()
+        if isinstance(dim, bool) or not isinstance(dim, int):
+            raise TypeError(f"dim must be an int, got dim={dim!r}")
+        self.dim = dim
+        self.eps = _checks.non_negative("eps", eps)
+
+    def compute(self, *tensors: Tensor) -> Tensor:
+        g, v = tensors
+        scale = g / _safe_denominator(_row_norms(v, self.dim % v.ndim), self.eps)
+        return (v * scale).to(v.dtype)
+
+    def right_inverse(self, weight: Tensor) -> tuple[Tensor, Tensor]:
+        norm = _row_norms(weight, self.dim % weight.ndim)
+        denominator = _safe_denominator(norm, self.eps)
+        g = denominator if self.eps > 0 else norm
+        return g.to(weight.dtype), (weight / denominator).to(weight.dtype)
+
+    def extra_repr(self) -> str:
+        return f"dim={self.dim}, eps={self.eps}"
+
+
+class _LegacyKeys:
+    """Load-state-dict pre-hook: reads ``<name>_g``/``<name>_v`` checkpoints of the legacy
+    ``torch.nn.utils.weight_norm`` into the parametrization's ``original0``/``original1``."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __call__(
+        self, module: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any
+    ) -> None:
+        if not _is_weight_normalized(module, self.name):
+            return
+        for suffix, which in (("_g", "original0"), ("_v", "original1")):
+            legacy = f"{prefix}{self.name}{suffix}"
+            if legacy in state_dict:
+                key = f"{prefix}parametrizations.{self.name}.{which}"
+                state_dict[key] = state_dict.pop(legacy)
+
+
+def _is_weight_normalized(module: nn.Module, name: str) -> bool:
+    return any(isinstance(p, WeightNorm) for p in parametrizations_of(module, name))
+
+
+def _is_pending(module: nn.Module, name: str) -> bool:
+    return (
+        deferred(module, name, _MARKER) is not None or deferred(module, _ALL, _MARKER) is not None
+    )
+
+
+def _install_legacy_keys(module: nn.Module, name: str) -> None:
+    for wrapped in module._load_state_dict_pre_hooks.values():
+        hook = getattr(wrapped, "hook", wrapped)
+        if isinstance(hook, _LegacyKeys) and hook.name == name:
+            return
+    module.register_load_state_dict_pre_hook(_LegacyKeys(name))  # type: ignore[no-untyped-call]
+
+
+def _axis(module: nn.Module, name: str, ndim: int, dim: int | None) -> int:
+    where = describe(module, name)
+    if ndim < 2:
+        raise ValueError(
+            f"{where} has {ndim} dimension{'s' if ndim != 1 else ''}; weight normalization "
+            "applies to parameters with at least 2"
+        )
+    if dim is None:
+        return output_axis(module) if name == "weight" else 0
+    return _checks.axis("dim", dim, ndim, where)
+
+
+def _convert(module: nn.Module, name: str, axis: int, eps: float) -> None:
+    """Registers WN on ``module.<name>``; the weight's Parameter object becomes v."""
+    weight = module._parameters[name]
+    assert weight is not None
+    parametrize.register_parametrization(module, name, WeightNorm(axis, eps))
+    with torch.no_grad():
+        weight.copy_(original(module, name, "original1"))
+    # Keeping the Parameter object as v lets remove_weight_norm hand the same object back.
+    originals(module, name).original1 = weight
+    _install_legacy_keys(module, name)
+
+
+def _direct_targets(module: nn.Module, dim: int | None) -> Iterator[tuple[str, int]]:
+    """``module``'s own parameters that the converter takes (2 or more dims), with their axis."""
+    for name, param in module._parameters.items():
+        if param is not None and not is_uninitialized(param) and param.ndim >= 2:
+            yield name, _axis(module, name, param.ndim, dim)
+
+
+def _convert_all_direct(module: nn.Module, dim: int | None, eps: float) -> None:
+    for name, axis in list(_direct_targets(module, dim)):
+        _convert(module, name, axis, eps)
+
+
+def _is_internal(module: nn.Module) -> bool:
+    """Modules that hold the originals of parametrizations, which are never converted."""
+    return isinstance(module, (parametrize.ParametrizationList, CachedParametrization))
+
+
+def weight_norm(
+    module: M, name: str | None = None, *, dim: int | None = None, eps: float = 1e-12
+) -> M:
+    r"""Reparametrizes weights as ``W = g * v / (||v|| + eps)`` (Weight Normalization).
+
+    Like Chainer's ``convert_with_weight_normalization``, ``name=None`` converts every
+    parameter with 2 or more dimensions in ``module`` and all its submodules: Linear, Conv*,
+    ConvTranspose*, Embedding, every layer and direction of LSTM/GRU/RNN, MultiheadAttention's
+    projections, ... At conversion :math:`v = W / (\|W\| + \epsilon)` (unit rows) and
+    :math:`g = \|W\| + \epsilon`, so the module's output is unchanged.
+
+    Unlike torch's own ``weight_norm``, which keeps :math:`v = W`, the direction starts with
+    unit norm, as in the original: the gradient with respect to v is
+    :math:`\frac{g}{\|v\|}(\nabla_W - \ldots)`, so with unit v an optimizer takes the same steps
+    as Chainer's, and with torch's v it takes steps scaled by :math:`1/\|W\|`. The parameters
+    live where torch's ``parametrizations.weight_norm`` puts them
+    (``parametrizations.<name>.original0`` is g, ``original1`` is v), so state dicts load both
+    ways; checkpoints of the legacy ``torch.nn.utils.weight_norm`` (``<name>_g``,
+    ``<name>_v``) load too. A zero row of v gives a zero row of W, never NaN. Lazy modules are
+    converted at their first forward.
+
+    Args:
+        module: the module to convert in place.
+        name: one parameter of ``module`` to convert, or None for every parameter with 2 or
+            more dimensions in the module tree (those already normalized are skipped).
+        dim: the axis with one norm per index. None picks the output axis: 1 for the
+            ``weight`` of transposed convolutions, 0 otherwise.
+        eps: added to the norm (Chainer's 1e-12 by default); must be non-negative.
+
+    Returns:
+        ``module``.
+
+    References:
+        Salimans and Kingma, Weight Normalization: A Simple Reparameterization to Accelerate
+        Training of Deep Neural Networks, arXiv:1602.07868.
+
+    Example:
+        >>> lstm = weight_norm(torch.nn.LSTM(4, 8, num_layers=2))
+        >>> sorted(lstm.parametrizations)
+        ['weight_hh_l0', 'weight_hh_l1', 'weight_ih_l0', 'weight_ih_l1']
+        >>> g = lstm.parametrizations.weight_ih_l0.original0
+        >>> g.shape
+        torch.Size([32, 1])
+    """
+    eps = _checks.non_negative("eps", eps)
+    if name is not None:
+        _weight_norm_one(module, name, dim, eps)
+        return module
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
+    planned: list[tuple[nn.Module, str, int]] = []
+    lazy: list[nn.Module] = []
+    already = 0
+    for sub in module.modules():
+        if _is_internal(sub):
+            continue
+        if any(is_uninitialized(p) for p in sub._parameters.values()):
+            if not _is_pending(sub, _ALL):
+                lazy.append(sub)
+            continue
+        planned.extend((sub, param_name, axis) for param_name, axis in _direct_targets(sub, dim))
+        already += sum(_is_weight_normalized(sub, n) for n in parametrized_names(sub))
+    if not planned and not lazy:
+        reason = (
+            "every such parameter is already weight-normalized"
+            if already
+            else ("it has no parameter with 2 or more dimensions")
+        )
+        raise ValueError(f"nothing to convert in {layer_name(module)}: {reason}")
+    for sub, param_name, axis in planned:
+        _convert(sub, param_name, axis, eps)
+    for sub in lazy:
+        register = functools.partial(_convert_all_direct, dim=dim, eps=eps)
+        defer_until_materialized(sub, _ALL, register, _MARKER)
+    return module
+
+
+def _weight_norm_one(module: nn.Module, name: str, dim: int | None, eps: float) -> None:
+    tensor = checked_tensor(module, name, "weight normalization")
+    if _is_weight_normalized(module, name) or _is_pending(module, name):
+        raise ValueError(f"{describe(module, name)} is already weight-normalized")
+    if parametrize.is_parametrized(module, name):
+        raise ValueError(
+            f"{describe(module, name)} already has another parametrization; weight "
+            "normalization needs the plain Parameter"
+        )
+    if tensor is None:
+        register = functools.partial(_convert_named, name=name, dim=dim, eps=eps)
+        defer_until_materialized(module, name, register, _MARKER)
+        return
+    _convert(module, name, _axis(module, name, tensor.ndim, dim), eps)
+
+
+def _convert_named(module: nn.Module, name: str, dim: int | None, eps: float) -> None:
+    weight = module._parameters[name]
+    assert weight is not None
+    _convert(module, name, _axis(module, name, weight.ndim, dim), eps)
+
+
+def convert_with_weight_normalization(module_cls: Callable[..., M], *args: Any, **kwargs: Any) -> M:
+    """Builds ``module_cls(*args, **kwargs)`` and weight-normalizes every parameter of 2+ dims.
+
+    The entry point of the original Chainer converter, for code ported from it.
+
+    Example:
+        >>> conv = convert_with_weight_normalization(torch.nn.Conv2d, 3, 8, kernel_size=3)
+        >>> conv.parametrizations.weight.original0.shape
+        torch.Size([8, 1, 1, 1])
+    """
+    if not callable(module_cls):
+        raise TypeError(f"module_cls must be a module class, got {module_cls!r}")
+    module = module_cls(*args, **kwargs)
+    if not isinstance(module, nn.Module):
+        raise TypeError(
+            f"module_cls must build a torch.nn.Module, got {type(module).__name__} from "
+            f"{module_cls!r}"
+        )
+    return weight_norm(module)
+
+
+def remove_weight_norm(module: M, name: str | None = None) -> M:
+    """Folds weight normalization back into plain Parameters.
+
+    The output is unchanged, and the weight becomes the Parameter object that held v (which
+    is the weight's own Parameter from before the conversion), so an optimizer that holds it
+    keeps updating the weight.
+
+    Args:
+        module: the module.
+        name: the parameter to fold back, or None for every weight normalization in the
+            module tree (pending ones on lazy modules included).
+
+    Returns:
+        ``module``.
+
+    Example:
+        >>> linear = weight_norm(torch.nn.Linear(3, 2))
+        >>> v = linear.parametrizations.weight.original1
+        >>> linear = remove_weight_norm(linear)
+        >>> linear.weight is v
+        True
+    """
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
+    if name is not None:
+        if cancel_deferred(module, name, _MARKER):
+            return module
+        if not _is_weight_normalized(module, name):
+            raise ValueError(
+                f"{describe(module, name)} is not weight-normalized; nothing to remove"
+            )
+        _fold(module, name)
+        return module
+    found = False
+    for sub in list(module.modules()):
+        if _is_internal(sub):
+            continue
+        found |= cancel_deferred(sub, _ALL, _MARKER)
+        for param_name in parametrized_names(sub):
+            found |= cancel_deferred(sub, param_name, _MARKER)
+            if _is_weight_normalized(sub, param_name):
+                _fold(sub, param_name)
+                found = True
+    if not found:
+        raise ValueError(f"{layer_name(module)} has no weight normalization to remove")
+    return module
+
+
+def _fold(module: nn.Module, name: str) -> None:
+    if len(parametrizations_of(module, name)) > 1:
+        raise ValueError(
+            f"{describe(module, name)} has other parametrizations besides weight "
+            "normalization; remove those first"
+        )
+    v = original(module, name, "original1")
+    with torch.no_grad():
+        weight = getattr(module, name).clone()
+    parametrize.remove_parametrizations(module, name, leave_parametrized=True)
+    with torch.no_grad():
+        v.copy_(weight)
+    delattr(module, name)
+    module.register_parameter(name, v)
+
+
+_INIT_LAYERS = (nn.Linear, nn.modules.conv._ConvNd)
+
+
+def _unit_axis(layer: nn.Module) -> int:
+    """The axis of a layer's output that indexes its units."""
+    return -1 if isinstance(layer, nn.Linear) else 1
+
+
+def _all_reduce_(tensor: Tensor) -> Tensor:
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(tensor)
+    return tensor
+
+
+def _moments(t: Tensor, axis: int) -> tuple[Tensor, Tensor]:
+    """Per-unit mean and biased variance of ``t`` over every other axis, across ranks.
+
+    Two passes (mean, then squared deviations) in at least float32, summed over the default
+    process group when torch.distributed is initialized, so every rank gets the moments of the
+    global batch.
+    """
+    acc = torch.promote_types(t.dtype, torch.float32)
+    rows = t.movedim(axis, -1).reshape(-1, t.shape[axis]).to(acc)
+    packed = torch.cat([rows.sum(0), rows.new_tensor([rows.shape[0]])])
+    _all_reduce_(packed)
+    count = packed[-1]
+    mean = packed[:-1] / count
+    variance = _all_reduce_((rows - mean).square().sum(0)) / count
+    return mean, variance
+
+
+class _Initializer:
+    """Forward hooks that initialize each WN layer from the activations reaching it."""
+
+    def __init__(self, scale: float) -> None:
+        self.scale = scale
+        self.done: set[nn.Module] = set()
+
+    def before(self, layer: nn.Module, args: tuple[Any, ...]) -> None:
+        if layer in self.done:
+            return
+        # g = 1 and no bias make the layer's output the paper's pre-activation t = v.x/||v||.
+        g, *bias = _init_params(layer)
+        g.fill_(1.0)
+        for b in bias:
+            b.zero_()
+
+    def after(self, layer: nn.Module, args: tuple[Any, ...], output: Tensor) -> Tensor | None:
+        if layer in self.done:
+            return None
+        self.done.add(layer)
+        axis = _unit_axis(layer) % output.ndim
+        mean, variance = _moments(output, axis)
+        std = variance.sqrt()
+        # A unit whose pre-activation is constant over the batch has no scale to set.
+        g = torch.where(std > 0, self.scale / std, torch.full_like(std, self.scale))
+        g_param, *bias = _init_params(layer)
+        g_param.copy_(g.view(g_param.shape))
+        shape = [1] * output.ndim
+        shape[axis] = -1
+        initialized = output * g.view(shape)
+        for bias_param in bias:
+            b = -mean * g
+            bias_param.copy_(b)
+            initialized = initialized + b.view(shape)
+        # What the layer now outputs, so that the layers after it see initialized inputs.
+        return initialized.to(output.dtype)
+
+
+def _initializable(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    layers: list[tuple[str, nn.Module]] = []
+    for name, layer in model.named_modules():
+        if not (isinstance(layer, _INIT_LAYERS) and _is_weight_normalized(layer, "weight")):
+            continue
+        wn = parametrizations_of(layer, "weight")[-1]
+        assert isinstance(wn, WeightNorm)
+        where = f"{name or layer_name(model)} ({layer_name(layer)})"
+        if wn.dim % original(layer, "weight", "original1").ndim != output_axis(layer):
+            raise ValueError(
+                f"data_dependent_init needs one g per output unit, but {where} is "
+                f"weight-normalized along dim={wn.dim}"
+            )
+        if isinstance(layer, nn.modules.conv._ConvTransposeNd) and layer.groups > 1:
+            raise ValueError(
+                f"data_dependent_init cannot initialize {where}: with groups={layer.groups} "
+                "each g of a transposed convolution scales one output channel per group"
+            )
+        layers.append((name, layer))
+    return layers
+
+
+def _run(model: nn.Module, batch: Any) -> None:
+    if isinstance(batch, Mapping):
+        model(**batch)
+    elif isinstance(batch, (tuple, list)):
+        model(*batch)
+    else:
+        model(batch)
+
+
+def data_dependent_init(model: M, batch: Any, *, scale: float = 1.0) -> M:
+    r"""Initializes every weight-normalized Linear/Conv layer from one batch (paper, section 3).
+
+    Runs ``model`` once on ``batch`` under ``torch.no_grad()``, in eval mode. For each
+    weight-normalized ``Linear``, ``Conv*`` or ``ConvTranspose*`` layer, in the order the
+    forward reaches it, computes its pre-activation :math:`t = v \cdot x / \|v\|` (g = 1, no
+    bias), the per-unit mean :math:`\mu` and biased standard deviation :math:`\sigma` of
+    :math:`t` over the batch (and spatial) axes, and sets
+
+    .. math::
+
+        g \leftarrow \frac{\text{scale}}{\sigma}, \qquad
+        b \leftarrow -\frac{\mu \cdot \text{scale}}{\sigma}
+
+    (only g where the layer has no bias). Each layer sees the already initialized layers
+    before it, so afterwards every such layer's outputs on ``batch`` have per-unit mean 0
+    and standard deviation ``scale``. Under ``torch.distributed`` the moments are summed over
+    the default process group, so every rank ends with identical g and b. Weight-normalized
+    parameters of other layers (LSTM weights, ...) keep their g. The model's train/eval
+    modes are restored; if the forward fails, its error propagates and the model is left as
+    it was. Layers the forward never reached are named in a warning.
+
+    Args:
+        model: a model with weight-normalized layers (see :func:`weight_norm`).
+        batch: the model's input: a tensor (``model(batch)``), a tuple or list
+            (``model(*batch)``) or a mapping (``model(**batch)``).
+        scale: the standard deviation each layer's outputs get.
+
+    Returns:
+        ``model``.
+
+    References:
+        Salimans and Kingma, Weight Normalization, arXiv:1602.07868, section 3.
+
+    Example:
+        >>> model = weight_norm(torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Tanh()))
+        >>> x = torch.randn(256, 4)
+        >>> model = data_dependent_init(model, x)
+        >>> y = model[0](x)
+        >>> torch.allclose(y.mean(0), torch.zeros(3), atol=1e-5)
+        True
+        >>> torch.allclose(y.std(0, unbiased=False), torch.ones(3), atol=1e-5)
+        True
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    scale = _checks.positive("scale", scale)
+    layers = _initializable(model)
+    if not layers:
+        raise ValueError(
+            f"{layer_name(model)} has no weight-normalized Linear, Conv or ConvTranspose "
+            "layer to initialize; convert it with weight_norm first"
+        )
+    modes = {module: module.training for module in model.modules()}
+    saved = [(layer, [p.detach().clone() for p in _init_params(layer)]) for _, layer in layers]
+    initializer = _Initializer(scale)
+    handles = []
+    try:
+        for _, layer in layers:
+            handles.append(layer.register_forward_pre_hook(initializer.before))
+            handles.append(layer.register_forward_hook(initializer.after))
+        model.eval()
+        with torch.no_grad():
+            _run(model, batch)
+    except BaseException:
+        with torch.no_grad():
+            for layer, values in saved:
+                for param, value in zip(_init_params(layer), values, strict=True):
+                    param.copy_(value)
+        raise
+    finally:
+        for handle in handles:
+            handle.remove()
+        for module, training in modes.items():
+            module.training = training
+    missed = [name for name, layer in layers if layer not in initializer.done]
+    if missed:
+        warnings.warn(
+            "data_dependent_init: the forward never reached "
+            + ", ".join(missed)
+            + "; their g and bias keep their values",
+            stacklevel=2,
+        )
+    return model
+
+
+def _init_params(layer: nn.Module) -> list[Tensor]:
+    """The tensors data_dependent_init sets: g, then the bias if the layer has one."""
+    params: list[Tensor] = [original(layer, "weight", "original0")]
+    bias = layer._parameters.get("bias")
+    if bias is not None:
+        params.append(bias)
+    return params
