@@ -586,6 +586,15 @@ def test_ddi_without_wn_layer() -> None:
         data_dependent_init(weight_norm(nn.LSTM(2, 2)), torch.randn(3, 1, 2))
 
 
+def test_ddi_refuses_lazy_layers_not_yet_materialized() -> None:
+    model = nn.Sequential(nn.LazyLinear(3))
+    weight_norm(model[0])
+    with pytest.raises(ValueError, match=r"0 \(LazyLinear\) is a lazy module .* run one forward"):
+        data_dependent_init(model, torch.randn(4, 2))
+    model(torch.randn(4, 2))
+    data_dependent_init(model, torch.randn(4, 2))
+
+
 def test_ddi_errors() -> None:
     with pytest.raises(ValueError, match="scale must be positive, got scale=0"):
         data_dependent_init(weight_norm(mlp()), torch.randn(4, 6), scale=0)

@@ -452,6 +452,11 @@ class _Initializer:
 def _initializable(model: nn.Module) -> list[tuple[str, nn.Module]]:
     layers: list[tuple[str, nn.Module]] = []
     for name, layer in model.named_modules():
+        if isinstance(layer, _INIT_LAYERS) and _is_pending(layer, "weight"):
+            raise ValueError(
+                f"data_dependent_init: {name or layer_name(model)} ({layer_name(layer)}) is a "
+                "lazy module whose weight does not exist yet; run one forward first"
+            )
         if not (isinstance(layer, _INIT_LAYERS) and _is_weight_normalized(layer, "weight")):
             continue
         wn = parametrizations_of(layer, "weight")[-1]

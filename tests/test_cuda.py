@@ -1,0 +1,159 @@
+"""Checks that need a GPU: no host sync, fused AMP, cuDNN RNNs. Skipped without CUDA."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from normhooks import (
+    GradientLARS,
+    apply_weight_standardization,
+    data_dependent_init,
+    lars_param_groups,
+    weight_norm,
+)
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def cnn() -> nn.Module:
+    return nn.Sequential(
+        nn.Conv2d(3, 16, 3, padding=1),
+        nn.GroupNorm(4, 16),
+        nn.ReLU(),
+        nn.Conv2d(16, 16, 3, padding=1),
+        nn.GroupNorm(4, 16),
+        nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(16, 10),
+    )
+
+
+def test_lars_hook_never_syncs_with_host() -> None:
+    model = cnn().cuda()
+    optimizer = torch.optim.SGD(lars_param_groups(model), lr=0.1, momentum=0.9)
+    GradientLARS(weight_decay=1e-4, clip=True).attach(optimizer)
+    x = torch.randn(8, 3, 16, 16, device="cuda")
+    model(x).square().mean().backward()
+    optimizer.step()  # state creation outside the checked region
+    model(x).square().mean().backward()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        optimizer.step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+def test_lars_cuda_matches_cpu_in_float64() -> None:
+    cpu = cnn().double()
+    gpu = copy.deepcopy(cpu).cuda()
+    x = torch.randn(8, 3, 16, 16, dtype=torch.float64)
+    for model, data in ((cpu, x), (gpu, x.cuda())):
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        GradientLARS(weight_decay=1e-3).attach(optimizer)
+        for _ in range(3):
+            optimizer.zero_grad()
+            model(data).square().mean().backward()
+            optimizer.step()
+    for a, b in zip(cpu.parameters(), gpu.parameters(), strict=True):
+        torch.testing.assert_close(b.cpu(), a, rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, fused=True),
+        lambda p: torch.optim.AdamW(p, lr=1e-3, fused=True),
+    ],
+    ids=["sgd", "adamw"],
+)
+def test_fused_optimizer_under_grad_scaler_gives_unscaled_result(
+    make: Callable[[Any], torch.optim.Optimizer],
+) -> None:
+    model = cnn().cuda()
+    reference = copy.deepcopy(model)
+    x = torch.randn(8, 3, 16, 16, device="cuda")
+    scaler = torch.amp.GradScaler("cuda", init_scale=2.0**12)
+    optimizer = make(model.parameters())
+    GradientLARS(weight_decay=1e-3).attach(optimizer)
+    reference_optimizer = make(reference.parameters())
+    GradientLARS(weight_decay=1e-3).attach(reference_optimizer)
+    for _ in range(3):
+        optimizer.zero_grad()
+        scaler.scale(model(x).square().mean()).backward()
+        scaler.step(optimizer)
+        scaler.update()
+        reference_optimizer.zero_grad()
+        reference(x).square().mean().backward()
+        reference_optimizer.step()
+    for a, b in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_ws_and_wn_match_cpu() -> None:
+    cpu = apply_weight_standardization(cnn())
+    weight_norm(cpu[8], "weight")
+    gpu = copy.deepcopy(cpu).cuda()
+    x = torch.randn(4, 3, 16, 16)
+    torch.testing.assert_close(gpu(x.cuda()).cpu(), cpu(x), rtol=1e-4, atol=1e-5)
+    data_dependent_init(cpu, x)
+    data_dependent_init(gpu, x.cuda())
+    torch.testing.assert_close(gpu(x.cuda()).cpu(), cpu(x), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("rnn_type", [nn.LSTM, nn.GRU], ids=["lstm", "gru"])
+def test_cudnn_rnn_with_weight_norm(rnn_type: type[nn.RNNBase]) -> None:
+    torch.manual_seed(0)
+    cpu = weight_norm(rnn_type(8, 16, num_layers=2, bidirectional=True))
+    gpu = copy.deepcopy(cpu).cuda()
+    x = torch.randn(5, 3, 8)
+    optimizer = torch.optim.SGD(gpu.parameters(), lr=0.1)
+    cpu_optimizer = torch.optim.SGD(cpu.parameters(), lr=0.1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for _ in range(3):
+            for model, opt, data in ((gpu, optimizer, x.cuda()), (cpu, cpu_optimizer, x)):
+                opt.zero_grad()
+                model(data)[0].square().sum().backward()
+                opt.step()
+        gpu.flatten_parameters()
+        gpu.eval()
+        cpu.eval()
+        with torch.no_grad():
+            torch.testing.assert_close(gpu(x.cuda())[0].cpu(), cpu(x)[0], rtol=1e-4, atol=1e-5)
+            torch.testing.assert_close(gpu(x.cuda())[0].cpu(), cpu(x)[0], rtol=1e-4, atol=1e-5)
+
+
+def test_inductor_compiled_step_matches_eager() -> None:
+    torch._dynamo.reset()
+    eager = apply_weight_standardization(cnn()).cuda()
+    compiled = copy.deepcopy(eager)
+    x = torch.randn(8, 3, 16, 16, device="cuda")
+
+    def make(model: nn.Module) -> torch.optim.Optimizer:
+        optimizer = torch.optim.SGD(lars_param_groups(model), lr=0.1, momentum=0.9)
+        GradientLARS(weight_decay=1e-4).attach(optimizer)
+        return optimizer
+
+    eager_opt, compiled_opt = make(eager), make(compiled)
+
+    def step(model: nn.Module, optimizer: torch.optim.Optimizer) -> torch.Tensor:
+        optimizer.zero_grad()
+        loss = model(x).square().mean()
+        loss.backward()
+        optimizer.step()
+        return loss
+
+    compiled_step = torch.compile(step)
+    for _ in range(3):
+        torch.testing.assert_close(compiled_step(compiled, compiled_opt), step(eager, eager_opt))
+    for a, b in zip(eager.parameters(), compiled.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
