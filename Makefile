@@ -35,7 +35,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/ws.py
 
 demo: $(STAMP)
-	$(BIN)/python benchmarks/lars.py
+	$(BIN)/normhooks demo
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis
