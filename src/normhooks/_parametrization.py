@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from typing import Any, cast
 
@@ -21,6 +22,28 @@ HALF_DTYPES = (torch.float16, torch.bfloat16)
 TRANSPOSED = (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
 
 _Key = tuple[tuple[int, int, torch.Size, torch.dtype, torch.device], ...]
+
+
+_fsdp_seen: tuple[int, bool] = (-1, False)
+
+
+def fsdp_in_use() -> bool:
+    """Whether any module in this process is managed by FSDP2's ``fully_shard``."""
+    global _fsdp_seen
+    composable = sys.modules.get("torch.distributed._composable_state")
+    if composable is None:
+        return False
+    states = getattr(composable, "_module_state_mapping", None)
+    if states is None:  # a torch whose layout we do not know: assume FSDP, never cache
+        return True
+    if _fsdp_seen[0] != len(states):
+        # The values are weak references to each composable API's state object.
+        found = any(
+            type(ref() if callable(ref) else ref).__name__ == "FSDPState"
+            for ref in list(states.values())
+        )
+        _fsdp_seen = (len(states), found)
+    return _fsdp_seen[1]
 
 
 def _key(tensors: tuple[Tensor, ...]) -> _Key:
@@ -63,6 +86,7 @@ class CachedParametrization(nn.Module):
 
     In-place writes through ``.data`` bypass the version counter; the cache is also dropped
     at every ``train()``/``eval()`` switch, which covers the usual train-then-evaluate loop.
+    Caching is off while any module of the process is sharded by FSDP2 (``fully_shard``).
     """
 
     def __init__(self) -> None:
@@ -75,7 +99,9 @@ class CachedParametrization(nn.Module):
 
     def forward(self, *inputs: Tensor) -> Tensor:
         tensors = inputs + tuple(p for p in self.parameters(recurse=False))
-        if torch.compiler.is_compiling():
+        if torch.compiler.is_compiling() or fsdp_in_use():
+            # FSDP2 hands over the same unsharded tensor each forward, refilled without a
+            # version bump, and caching it would keep a full weight that FSDP means to free.
             return self.compute(*tensors)
         needs_graph = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
         if needs_graph and self.training:
@@ -234,6 +260,7 @@ def checked_tensor(module: nn.Module, name: str, what: str) -> Tensor | None:
         raise ValueError(f"{describe(module, name)} is None; there is no weight to {what}")
     if is_uninitialized(weight):
         return None
+    refuse_wrapped(module, what, weight, name)
     if not isinstance(weight, nn.Parameter) and not parametrize.is_parametrized(module, name):
         raise TypeError(
             f"{describe(module, name)} must be a torch.nn.Parameter to apply {what}, "
@@ -245,3 +272,29 @@ def checked_tensor(module: nn.Module, name: str, what: str) -> Tensor | None:
             f"got dtype {weight.dtype}"
         )
     return weight
+
+
+def refuse_wrapped(
+    module: nn.Module, what: str, tensor: Tensor | None = None, name: str = "weight"
+) -> None:
+    """Raises if ``module`` was already wrapped by DDP or ``fully_shard``.
+
+    Both must come after the reparametrization: DDP attaches its gradient hooks to the
+    parameters it finds at construction and would never average new ones, and FSDP2 keeps
+    managing the old name while the new originals stay sharded DTensors outside forward.
+    """
+    dtensor = sys.modules.get("torch.distributed.tensor")
+    if tensor is not None and dtensor is not None and isinstance(tensor, dtensor.DTensor):
+        raise ValueError(
+            f"{describe(module, name)} is a DTensor: the model is already sharded by "
+            f"fully_shard. Apply {what} before fully_shard"
+        )
+    ddp = sys.modules.get("torch.nn.parallel.distributed")
+    if ddp is not None and any(
+        isinstance(m, ddp.DistributedDataParallel) for m in module.modules()
+    ):
+        raise ValueError(
+            f"{layer_name(module)} is wrapped by DistributedDataParallel. Apply {what} "
+            "before wrapping: DDP only averages the gradients of the parameters it saw at "
+            "construction"
+        )

@@ -12,6 +12,7 @@ composes with SGD, AdamW, RMSprop or any other :class:`torch.optim.Optimizer`.
 
 from __future__ import annotations
 
+import sys
 import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -31,6 +32,12 @@ _HALF_DTYPES = (torch.float16, torch.bfloat16)
 # about twice as fast there as the reduction behind ``torch._foreach_norm``; smaller tensors
 # are dispatch-bound and go through ``_foreach_norm`` in one call.
 _CPU_DOT_MIN_NUMEL = 1 << 15
+
+
+def _dtensor_type() -> Any:
+    """torch's DTensor class, or None while nothing has imported it (so nothing is one)."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return None if module is None else module.DTensor
 
 
 @dataclass(frozen=True)
@@ -104,14 +111,9 @@ def _norms(tensors: list[Tensor]) -> Tensor:
 
 
 def _rates(
-    params: list[Tensor],
-    grads: list[Tensor],
-    settings: _Settings,
-    lr: float | Tensor | None,
+    w_norm: Tensor, g_norm: Tensor, settings: _Settings, lr: float | Tensor | None
 ) -> Tensor:
-    """The LARS rate of each parameter (one device and dtype), in the accumulation dtype."""
-    w_norm = _norms(params)
-    g_norm = _norms(grads)
+    """The LARS rate of each parameter from the norms of the full tensors."""
     # Same association as the original: (eps + ||g||) + weight_decay * ||w||.
     denominator = g_norm + settings.eps
     if settings.weight_decay != 0:
@@ -144,11 +146,97 @@ def _apply_(params: list[Tensor], grads: list[Tensor], rates: Tensor, weight_dec
     torch._foreach_mul_(grads, list(rates.to(grads[0].dtype).unbind(0)))
 
 
-def _buckets(params: Sequence[Tensor]) -> dict[tuple[torch.device, torch.dtype], list[int]]:
-    buckets: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+@dataclass
+class _Unit:
+    """Parameters that share a device, a dtype and a sharding: one set of multi-tensor ops.
+
+    ``params`` and ``grads`` are the local tensors (a DTensor's local shard); ``reduce`` names
+    the mesh dimensions whose ranks hold other shards of these tensors, or None.
+    """
+
+    indices: list[int]
+    params: list[Tensor]
+    grads: list[Tensor]
+    reduce: tuple[Any, tuple[int, ...]] | None
+
+
+def _sharding(param: Tensor, where: str) -> tuple[Any, tuple[int, ...]] | None:
+    """The (mesh, sharded mesh dims) of a DTensor parameter, after checking its gradient."""
+    dtensor = _dtensor_type()
+    sharded: Any = param
+    grad: Any = param.grad
+    mesh, placements = sharded.device_mesh, sharded.placements
+    if not isinstance(grad, dtensor) or (grad.device_mesh, grad.placements) != (mesh, placements):
+        layout = (
+            f"{grad.device_mesh} {grad.placements}"
+            if isinstance(grad, dtensor)
+            else f"a plain {type(grad).__name__}"
+        )
+        raise ValueError(
+            f"{where} is a DTensor on {mesh} with placements {placements}, but its gradient "
+            f"is {layout}; LARS needs both laid out alike"
+        )
+    for placement in placements:
+        if not (placement.is_shard() or placement.is_replicate()):
+            raise ValueError(
+                f"{where} has a {type(placement).__name__} placement ({placement}); LARS "
+                "supports DTensors that are sharded "
+                "or replicated on each mesh dimension (FSDP2, HSDP, tensor parallel), not "
+                "partial ones"
+            )
+    dims = tuple(d for d, p in enumerate(placements) if p.is_shard() and mesh.size(d) > 1)
+    return (mesh, dims) if dims else None
+
+
+def _units(params: Sequence[Tensor], where: Sequence[str]) -> list[_Unit]:
+    dtensor = _dtensor_type()
+    units: dict[tuple[Any, ...], _Unit] = {}
     for index, param in enumerate(params):
-        buckets.setdefault((param.device, param.dtype), []).append(index)
-    return buckets
+        grad: Any = param.grad
+        local: Any = param
+        reduce = None
+        if dtensor is not None and isinstance(param, dtensor):
+            reduce = _sharding(param, where[index])
+            local, grad = local.to_local(), grad.to_local()
+        key = (local.device, local.dtype, None if reduce is None else (id(reduce[0]), reduce[1]))
+        unit = units.get(key)
+        if unit is None:
+            unit = units[key] = _Unit([], [], [], reduce)
+        unit.indices.append(index)
+        unit.params.append(local)
+        unit.grads.append(grad)
+    return list(units.values())
+
+
+def _full_norms(units: list[_Unit]) -> list[tuple[Tensor, Tensor]]:
+    """``(||w||, ||g||)`` of the full tensors of each unit.
+
+    For sharded units the local sums of squares of every unit on one mesh are stacked and
+    summed over the sharded mesh dimensions together: one all-reduce per mesh dimension, and
+    no tensor is gathered.
+    """
+    squares: dict[int, Tensor] = {}
+    meshes: dict[tuple[int, tuple[int, ...]], list[int]] = {}
+    norms: list[tuple[Tensor, Tensor] | None] = []
+    for position, unit in enumerate(units):
+        if unit.reduce is None:
+            norms.append((_norms(unit.params), _norms(unit.grads)))
+            continue
+        norms.append(None)
+        squares[position] = torch.cat([_norms(unit.params), _norms(unit.grads)]).square()
+        meshes.setdefault((id(unit.reduce[0]), unit.reduce[1]), []).append(position)
+    for positions in meshes.values():
+        mesh, dims = units[positions[0]].reduce  # type: ignore[misc]
+        parts = [squares[p] for p in positions]
+        common = torch.float64 if any(p.dtype == torch.float64 for p in parts) else torch.float32
+        stacked = torch.cat([part.to(common) for part in parts])
+        for dim in dims:
+            torch.distributed.all_reduce(stacked, group=mesh.get_group(dim))
+        totals = torch.split(stacked, [p.numel() for p in parts])
+        for position, total in zip(positions, totals, strict=True):
+            w_norm, g_norm = total.to(squares[position].dtype).sqrt().chunk(2)
+            norms[position] = (w_norm, g_norm)
+    return [n for n in norms if n is not None]
 
 
 def _scale_grads_(
@@ -156,29 +244,30 @@ def _scale_grads_(
     settings: _Settings,
     lr: float | Tensor | None = None,
     grad_scale: Tensor | None = None,
+    where: Sequence[str] | None = None,
 ) -> Tensor:
     """Applies LARS to ``params`` (all with a dense grad); returns their rates, in order."""
     if not params:
         return torch.empty(0)
-    per_bucket: list[tuple[list[int], Tensor]] = []
-    for indices in _buckets(params).values():
-        bucket = [params[i] for i in indices]
-        grads = [p.grad for p in bucket if p.grad is not None]
-        if grad_scale is not None:
-            # A fused optimizer under GradScaler gets scaled grads and unscales them itself:
-            # the norms need the true grads, and the optimizer needs them scaled again.
-            torch._foreach_div_(grads, grad_scale.to(grads[0].device))
-        rates = _rates(bucket, grads, settings, lr)
+    units = _units(params, where or [f"parameters[{i}]" for i in range(len(params))])
+    if grad_scale is not None:
+        # A fused optimizer under GradScaler gets scaled grads and unscales them itself: the
+        # norms need the true grads, and the optimizer needs them scaled again.
+        for unit in units:
+            torch._foreach_div_(unit.grads, grad_scale.to(unit.grads[0].device))
+    per_unit: list[tuple[list[int], Tensor]] = []
+    for unit, (w_norm, g_norm) in zip(units, _full_norms(units), strict=True):
+        rates = _rates(w_norm, g_norm, settings, lr)
         applied = rates if grad_scale is None else rates * grad_scale.to(rates.device)
-        _apply_(bucket, grads, applied, settings.weight_decay)
-        per_bucket.append((indices, rates))
-    if len(per_bucket) == 1:
-        return per_bucket[0][1]
-    device = params[0].device
-    dtype = torch.float64 if any(r.dtype == torch.float64 for _, r in per_bucket) else torch.float32
+        _apply_(unit.params, unit.grads, applied, settings.weight_decay)
+        per_unit.append((unit.indices, rates))
+    if len(per_unit) == 1:
+        return per_unit[0][1]
+    device = per_unit[0][1].device
+    dtype = torch.float64 if any(r.dtype == torch.float64 for _, r in per_unit) else torch.float32
     by_index = {
         index: rate
-        for indices, rates in per_bucket
+        for indices, rates in per_unit
         for index, rate in zip(indices, rates.to(device, dtype).unbind(0), strict=True)
     }
     return torch.stack([by_index[i] for i in range(len(params))])
@@ -239,15 +328,16 @@ def lars_(
             "parameters must be a tensor or an iterable of tensors, "
             f"got {type(parameters).__name__}"
         )
-    with_grad = []
+    with_grad, names = [], []
     for index, param in enumerate(parameters):
         where = f"parameters[{index}]"
         _check_param(param, where)
         _check_grad(param, where)
         if param.grad is not None:
             with_grad.append(param)
+            names.append(where)
     with torch.no_grad():
-        return _scale_grads_(with_grad, settings)
+        return _scale_grads_(with_grad, settings, where=names)
 
 
 def lars_param_groups(
@@ -501,22 +591,23 @@ class GradientLARS:
         plan = []
         for index, group in enumerate(optimizer.param_groups):
             settings = self._group_settings(group, index)
-            params = []
+            params, names = [], []
             for position, param in enumerate(group["params"]):
                 where = f"parameter {position} of param group {index}"
                 _check_param(param, where)
                 _check_grad(param, where)
                 if param.grad is not None:
                     params.append(param)
-            plan.append((settings, params, group.get("lr")))
+                    names.append(where)
+            plan.append((settings, params, names, group.get("lr")))
         grad_scale = getattr(optimizer, "grad_scale", None)
         rates = []
         with torch.no_grad():
-            for settings, params, lr in plan:
+            for settings, params, names, lr in plan:
                 if settings is None or not params:
-                    rates.append(torch.empty(0, device=params[0].device if params else None))
+                    rates.append(torch.empty(0))
                     continue
-                rates.append(_scale_grads_(params, settings, lr, grad_scale))
+                rates.append(_scale_grads_(params, settings, lr, grad_scale, names))
         self.last_rates = rates
         if closure is None:
             return None

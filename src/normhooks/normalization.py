@@ -10,6 +10,7 @@ original left as a TODO.
 from __future__ import annotations
 
 import functools
+import sys
 import warnings
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, TypeVar
@@ -35,6 +36,7 @@ from normhooks._parametrization import (
     output_axis,
     parametrizations_of,
     parametrized_names,
+    refuse_wrapped,
 )
 
 __all__ = [
@@ -183,6 +185,7 @@ def _direct_targets(module: nn.Module, dim: int | None) -> Iterator[tuple[str, i
     """``module``'s own parameters that the converter takes (2 or more dims), with their axis."""
     for name, param in module._parameters.items():
         if param is not None and not is_uninitialized(param) and param.ndim >= 2:
+            refuse_wrapped(module, "weight normalization", param, name)
             yield name, _axis(module, name, param.ndim, dim)
 
 
@@ -246,6 +249,7 @@ def weight_norm(
         return module
     if not isinstance(module, nn.Module):
         raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
+    refuse_wrapped(module, "weight normalization")
     planned: list[tuple[nn.Module, str, int]] = []
     lazy: list[nn.Module] = []
     already = 0
@@ -417,6 +421,7 @@ class _Initializer:
     def __init__(self, scale: float) -> None:
         self.scale = scale
         self.done: set[nn.Module] = set()
+        self.values: dict[nn.Module, list[Tensor]] = {}
 
     def before(self, layer: nn.Module, args: tuple[Any, ...]) -> None:
         if layer in self.done:
@@ -437,14 +442,19 @@ class _Initializer:
         # A unit whose pre-activation is constant over the batch has no scale to set.
         g = torch.where(std > 0, self.scale / std, torch.full_like(std, self.scale))
         g_param, *bias = _init_params(layer)
-        g_param.copy_(g.view(g_param.shape))
+        values = [g.view(g_param.shape)]
         shape = [1] * output.ndim
         shape[axis] = -1
         initialized = output * g.view(shape)
-        for bias_param in bias:
+        if bias:
             b = -mean * g
-            bias_param.copy_(b)
+            values.append(b)
             initialized = initialized + b.view(shape)
+        # Written now for a layer the forward calls again, and after the forward for good
+        # (FSDP2 may already have put the sharded parameters back by now).
+        for param, value in zip(_init_params(layer), values, strict=True):
+            _assign_full_(param, value)
+        self.values[layer] = values
         # What the layer now outputs, so that the layers after it see initialized inputs.
         return initialized.to(output.dtype)
 
@@ -549,7 +559,14 @@ def data_dependent_init(model: M, batch: Any, *, scale: float = 1.0) -> M:
         model.eval()
         with torch.no_grad():
             _run(model, batch)
+        # Under FSDP2 the forward wrote into unsharded copies: write the sharded originals.
+        _reshard(model)
+        with torch.no_grad():
+            for layer, values in initializer.values.items():
+                for param, value in zip(_init_params(layer), values, strict=True):
+                    _assign_full_(param, value)
     except BaseException:
+        _reshard(model)
         with torch.no_grad():
             for layer, values in saved:
                 for param, value in zip(_init_params(layer), values, strict=True):
@@ -578,3 +595,31 @@ def _init_params(layer: nn.Module) -> list[Tensor]:
     if bias is not None:
         params.append(bias)
     return params
+
+
+def _reshard(model: nn.Module) -> None:
+    """Puts every FSDP2 module of ``model`` back in its sharded state."""
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    if fsdp is None:
+        return
+    for module in model.modules():
+        if isinstance(module, fsdp.FSDPModule):
+            module.reshard()
+
+
+def _assign_full_(param: Tensor, value: Tensor) -> None:
+    """Writes the full tensor ``value`` (identical on every rank) into ``param``."""
+    dtensor = sys.modules.get("torch.distributed.tensor")
+    if dtensor is None or not isinstance(param, dtensor.DTensor):
+        param.copy_(value.view_as(param))
+        return
+    sharded: Any = param
+    full = value.to(sharded.dtype).view(sharded.shape)
+    try:
+        # Every rank holds the full value: each keeps its own shard, no communication.
+        local = dtensor.distribute_tensor(
+            full, sharded.device_mesh, sharded.placements, src_data_rank=None
+        )
+    except TypeError:  # torch without src_data_rank: scatter rank 0's (identical) copy
+        local = dtensor.distribute_tensor(full, sharded.device_mesh, sharded.placements)
+    sharded.to_local().copy_(local.to_local())

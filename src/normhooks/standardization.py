@@ -30,6 +30,7 @@ from normhooks._parametrization import (
     expected_ndim,
     output_axis,
     parametrizations_of,
+    refuse_wrapped,
 )
 
 __all__ = [
@@ -349,6 +350,9 @@ def apply_weight_standardization(
                 "layer_types must be nn.Module subclasses, got "
                 f"{layer_type!r} in layer_types={layer_types!r}"
             )
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    refuse_wrapped(model, "weight standardization")
     targets = [
         m
         for m in model.modules()

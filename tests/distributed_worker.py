@@ -1,0 +1,279 @@
+"""What the spawned ranks of tests/test_distributed.py run (gloo, CPU).
+
+Each scenario trains the same small CNN + MLP, with weight standardization, weight
+normalization and GradientLARS, on its rank's half of every batch, and saves what the
+parent test compares with one process on the full batches. Kept out of the test module so
+that the children import nothing from pytest.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from normhooks import (
+    GradientLARS,
+    data_dependent_init,
+    lars_,
+    lars_param_groups,
+    standardize_weight,
+    weight_norm,
+    weight_standardization,
+)
+
+STEPS = 5
+BATCH = 8
+INIT_BATCH = 16
+LR = 0.1
+MOMENTUM = 0.9
+WEIGHT_DECAY = 1e-3
+
+
+def make_model(seed: int = 0) -> nn.Module:
+    """Conv (WS, 5 filters: odd), conv (WN), linear (WN, 7 rows: odd), linear (WN, 1 row)."""
+    torch.manual_seed(seed)
+    model = nn.Sequential(
+        nn.Conv2d(3, 5, 3, padding=1),
+        nn.GroupNorm(1, 5),
+        nn.ReLU(),
+        nn.Conv2d(5, 4, 3),
+        nn.Flatten(),
+        nn.Linear(4 * 4 * 4, 7),
+        nn.Tanh(),
+        nn.Linear(7, 1),
+    )
+    weight_standardization(model[0])
+    for index in (3, 5, 7):
+        weight_norm(model[index], "weight")
+    return model
+
+
+def data() -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
+    generator = torch.Generator().manual_seed(1)
+    init = torch.randn(INIT_BATCH, 3, 6, 6, generator=generator)
+    batches = [
+        (
+            torch.randn(BATCH, 3, 6, 6, generator=generator),
+            torch.randn(BATCH, 1, generator=generator),
+        )
+        for _ in range(STEPS)
+    ]
+    return init, batches
+
+
+def half(tensor: torch.Tensor, rank: int, world: int) -> torch.Tensor:
+    size = tensor.shape[0] // world
+    return tensor[rank * size : (rank + 1) * size]
+
+
+def wn_init_values(model: nn.Module) -> dict[str, torch.Tensor]:
+    """g and bias of every WN layer, full tensors (gathered from shards under FSDP2)."""
+    values = {}
+    for index in (3, 5, 7):
+        layer = model[index]
+        for name, tensor in (
+            ("g", layer.parametrizations.weight.original0),
+            ("bias", layer.bias),
+        ):
+            full = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+            values[f"{index}.{name}"] = full.detach().clone()
+    return values
+
+
+def full_parameters(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {
+        name: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+        for name, p in model.named_parameters()
+    }
+
+
+def train(
+    model: nn.Module,
+    params_of: nn.Module,
+    batches: list[tuple[torch.Tensor, torch.Tensor]],
+    shard: Callable[[torch.Tensor], torch.Tensor],
+    on_step: Callable[[int, torch.optim.Optimizer, GradientLARS], None] | None = None,
+) -> list[list[torch.Tensor]]:
+    """STEPS of momentum SGD + GradientLARS; returns the hook's rates of every step."""
+    optimizer = torch.optim.SGD(lars_param_groups(params_of), lr=LR, momentum=MOMENTUM)
+    hook = GradientLARS(weight_decay=WEIGHT_DECAY)
+    hook.attach(optimizer)
+    rates = []
+    for step, (x, y) in enumerate(batches):
+        optimizer.zero_grad()
+        F.mse_loss(model(shard(x)), shard(y)).backward()
+        if on_step is not None:
+            on_step(step, optimizer, hook)
+        else:
+            optimizer.step()
+        rates.append([r.clone() for r in hook.last_rates])
+    return rates
+
+
+def refused(action: Callable[[], object]) -> str:
+    try:
+        action()
+    except ValueError as error:
+        return str(error)
+    return ""
+
+
+def ddp(rank: int, world: int, out: Path) -> dict[str, Any]:
+    from torch.nn.parallel import DistributedDataParallel
+
+    model = make_model()
+    wrapped = DistributedDataParallel(model)
+    init, batches = data()
+    data_dependent_init(wrapped, half(init, rank, world))
+    after_init = wn_init_values(model)
+    rates = train(wrapped, model, batches, lambda t: half(t, rank, world))
+    return {
+        "init": after_init,
+        "rates": rates,
+        "params": full_parameters(model),
+        "refused_after_wrap": refused(lambda: weight_norm(wrapped)),
+    }
+
+
+def fsdp(rank: int, world: int, out: Path) -> dict[str, Any]:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        set_model_state_dict,
+    )
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    mesh = init_device_mesh("cpu", (world,))
+
+    def sharded(seed: int) -> nn.Module:
+        model = make_model(seed)
+        for layer in model:
+            if any(True for _ in layer.parameters()):
+                fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        return model
+
+    model = sharded(0)
+    init, batches = data()
+    data_dependent_init(model, half(init, rank, world))
+    after_init = wn_init_values(model)
+    collectives: dict[str, int] = {}
+
+    def counted_step(step: int, optimizer: torch.optim.Optimizer, hook: GradientLARS) -> None:
+        if step != 2:
+            optimizer.step()
+            return
+        # SGD's own multi-tensor ops on DTensors communicate nothing: what is counted is LARS.
+        with CommDebugMode() as comm:
+            optimizer.step()
+        collectives["step"] = comm.get_total_counts()
+
+    rates = train(model, model, batches, lambda t: half(t, rank, world), counted_step)
+    params = full_parameters(model)
+
+    stale = stale_eval_outputs(mesh, fully_shard)
+
+    # HSDP: a (replicate, shard) mesh; LARS reduces over the shard dimension only.
+    hybrid = init_device_mesh("cpu", (1, world), mesh_dim_names=("replicate", "shard"))
+    hsdp_model = make_model()
+    for layer in hsdp_model:
+        if any(True for _ in layer.parameters()):
+            fully_shard(layer, mesh=hybrid)
+    fully_shard(hsdp_model, mesh=hybrid)
+    data_dependent_init(hsdp_model, half(init, rank, world))
+    hsdp_rates = train(hsdp_model, hsdp_model, batches, lambda t: half(t, rank, world))
+
+    from torch.distributed.tensor import DTensor, Partial
+
+    partial = nn.Parameter(DTensor.from_local(torch.randn(4, 4), mesh, [Partial()]))
+    partial.grad = DTensor.from_local(torch.randn(4, 4), mesh, [Partial()])
+
+    dcp.save(get_model_state_dict(model), checkpoint_id=str(out / "checkpoint"))
+    restored = sharded(7)
+    state = get_model_state_dict(restored)
+    dcp.load(state, checkpoint_id=str(out / "checkpoint"))
+    set_model_state_dict(restored, state)
+    full_state = get_model_state_dict(
+        model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+    )
+    return {
+        "init": after_init,
+        "rates": rates,
+        "params": params,
+        "collectives": collectives,
+        "stale_eval_outputs": stale,
+        "hsdp_params": full_parameters(hsdp_model),
+        "hsdp_rates": hsdp_rates,
+        "refused_partial": refused(lambda: lars_([partial])),
+        "restored": full_parameters(restored),
+        "expected_restored": full_parameters(model),
+        "full_state": full_state,
+        "refused_after_shard": refused(lambda: weight_standardization(model[3]))
+        + "|"
+        + refused(lambda: weight_norm(fully_shard(nn.Linear(3, 3), mesh=mesh))),
+    }
+
+
+def stale_eval_outputs(mesh: Any, fully_shard: Callable[..., Any]) -> int:
+    """Eval forwards under FSDP2 that disagree with a fresh computation, after updates.
+
+    FSDP2 refills the same unsharded tensor every forward without bumping its version, so a
+    cache keyed on the tensor would serve the weight of an earlier step; a wide layer makes
+    the allocator hand back the same address often enough to show it.
+    """
+    torch.manual_seed(2)
+    model = nn.Sequential(nn.Linear(4, 512), nn.ReLU(), nn.Linear(512, 3))
+    weight_standardization(model[0])
+    fully_shard(model[0], mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    model.eval()
+    x = torch.randn(2, 4)
+    wrong = 0
+    with torch.no_grad():
+        for _ in range(20):
+            local = model[0].parametrizations.weight.original.to_local()
+            local.add_(0.1 * torch.randn_like(local))
+            output = model(x)
+            model.reshard()
+            weight = standardize_weight(model[0].parametrizations.weight.original.full_tensor())
+            hidden = F.linear(x, weight, model[0].bias.full_tensor()).relu()
+            expected = F.linear(hidden, model[2].weight.full_tensor(), model[2].bias.full_tensor())
+            wrong += not torch.allclose(output, expected, atol=1e-5)
+    return wrong
+
+
+SCENARIOS: dict[str, Callable[[int, int, Path], dict[str, Any]]] = {"ddp": ddp, "fsdp": fsdp}
+
+
+def rank_entry(rank: int, world: int, port: int, scenario: str, out_dir: str) -> None:
+    """One rank: run the scenario, save its results, leave without interpreter shutdown."""
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60)
+    )
+    finished = False
+    try:
+        out = Path(out_dir)
+        results = SCENARIOS[scenario](rank, world, out)
+        torch.save(results, out / f"{scenario}-rank{rank}.pt")
+        dist.barrier()
+        finished = True
+    finally:
+        dist.destroy_process_group()
+    if finished:
+        # gloo's worker threads can outlive the process group and abort the interpreter's
+        # shutdown; a rank that has saved its results has nothing left to clean up.
+        os._exit(0)

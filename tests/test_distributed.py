@@ -1,0 +1,182 @@
+"""DDP and FSDP2 on real process groups: 2 gloo ranks against one process on full batches.
+
+The ranks run tests/distributed_worker.py; each scenario is spawned once per session and its
+saved results are checked here, one behaviour per test.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+
+import distributed_worker as worker
+from normhooks import GradientLARS, data_dependent_init, lars_param_groups
+
+pytestmark = pytest.mark.skipif(
+    not (dist.is_available() and dist.is_gloo_available()),
+    reason="torch.distributed with the gloo backend is not available in this build",
+)
+
+WORLD = 2
+TIMEOUT_S = 120
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def spawn(scenario: str, out: Path) -> list[dict[str, Any]]:
+    """Runs a scenario on WORLD ranks; kills every rank still alive when it returns."""
+    context = mp.start_processes(
+        worker.rank_entry,
+        args=(WORLD, free_port(), scenario, str(out)),
+        nprocs=WORLD,
+        join=False,
+        start_method="spawn",
+    )
+    deadline = time.monotonic() + TIMEOUT_S
+    try:
+        while not context.join(timeout=1.0):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the {scenario} ranks did not finish in {TIMEOUT_S} s")
+    finally:
+        for process in context.processes:
+            if process.is_alive():
+                process.kill()
+            process.join()
+    return [torch.load(out / f"{scenario}-rank{r}.pt", weights_only=False) for r in range(WORLD)]
+
+
+@pytest.fixture(scope="module")
+def ddp(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    return spawn("ddp", tmp_path_factory.mktemp("ddp"))
+
+
+@pytest.fixture(scope="module")
+def fsdp(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    return spawn("fsdp", tmp_path_factory.mktemp("fsdp"))
+
+
+@pytest.fixture(scope="module")
+def reference() -> dict[str, Any]:
+    """One process, full batches, the same model, init and steps."""
+    model = worker.make_model()
+    init, batches = worker.data()
+    data_dependent_init(model, init)
+    after_init = worker.wn_init_values(model)
+    optimizer = torch.optim.SGD(lars_param_groups(model), lr=worker.LR, momentum=worker.MOMENTUM)
+    hook = GradientLARS(weight_decay=worker.WEIGHT_DECAY)
+    hook.attach(optimizer)
+    rates = []
+    for x, y in batches:
+        optimizer.zero_grad()
+        F.mse_loss(model(x), y).backward()
+        optimizer.step()
+        rates.append([r.clone() for r in hook.last_rates])
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return {
+        "init": after_init,
+        "rates": rates,
+        "params": worker.full_parameters(model),
+        "state": state,
+    }
+
+
+def assert_close_relative(actual: torch.Tensor, expected: torch.Tensor, rel: float = 1e-5) -> None:
+    scale = max(expected.abs().max().item(), 1e-12) if expected.numel() else 1.0
+    torch.testing.assert_close(actual, expected, rtol=0, atol=rel * scale)
+
+
+def assert_same_tensors(actual: dict[str, Any], expected: dict[str, Any]) -> None:
+    assert set(actual) == set(expected)
+    for name, value in expected.items():
+        assert_close_relative(actual[name], value)
+
+
+@pytest.mark.parametrize("scenario", ["ddp", "fsdp"])
+def test_training_matches_one_process(
+    scenario: str, request: pytest.FixtureRequest, reference: dict[str, Any]
+) -> None:
+    for rank in request.getfixturevalue(scenario):
+        assert_same_tensors(rank["params"], reference["params"])
+
+
+@pytest.mark.parametrize("scenario", ["ddp", "fsdp"])
+def test_lars_rates_match_one_process(
+    scenario: str, request: pytest.FixtureRequest, reference: dict[str, Any]
+) -> None:
+    for rank in request.getfixturevalue(scenario):
+        for got, expected in zip(rank["rates"], reference["rates"], strict=True):
+            for got_group, expected_group in zip(got, expected, strict=True):
+                assert_close_relative(got_group, expected_group)
+
+
+@pytest.mark.parametrize("scenario", ["ddp", "fsdp"])
+def test_data_dependent_init_identical_on_ranks_and_to_full_batch(
+    scenario: str, request: pytest.FixtureRequest, reference: dict[str, Any]
+) -> None:
+    ranks = request.getfixturevalue(scenario)
+    for name, value in ranks[0]["init"].items():
+        torch.testing.assert_close(ranks[1]["init"][name], value, rtol=0, atol=0)
+    assert_same_tensors(ranks[0]["init"], reference["init"])
+
+
+def test_hsdp_training_and_rates_match_one_process(
+    fsdp: list[dict[str, Any]], reference: dict[str, Any]
+) -> None:
+    for rank in fsdp:
+        assert_same_tensors(rank["hsdp_params"], reference["params"])
+        for got, expected in zip(rank["hsdp_rates"], reference["rates"], strict=True):
+            for got_group, expected_group in zip(got, expected, strict=True):
+                assert_close_relative(got_group, expected_group)
+
+
+def test_lars_refuses_partial_dtensors(fsdp: list[dict[str, Any]]) -> None:
+    message = fsdp[0]["refused_partial"]
+    assert "parameters[0] has a Partial placement" in message
+    assert "not partial ones" in message
+
+
+def test_lars_issues_one_collective_per_step_under_fsdp2(fsdp: list[dict[str, Any]]) -> None:
+    for rank in fsdp:
+        assert rank["collectives"]["step"] == 1
+
+
+def test_fsdp2_eval_never_serves_stale_weights(fsdp: list[dict[str, Any]]) -> None:
+    assert [rank["stale_eval_outputs"] for rank in fsdp] == [0] * WORLD
+
+
+def test_fsdp2_distributed_checkpoint_round_trip(fsdp: list[dict[str, Any]]) -> None:
+    for rank in fsdp:
+        for name, value in rank["expected_restored"].items():
+            torch.testing.assert_close(rank["restored"][name], value, rtol=0, atol=0)
+
+
+def test_fsdp2_full_state_dict_matches_one_process_keys(
+    fsdp: list[dict[str, Any]], reference: dict[str, Any]
+) -> None:
+    full = fsdp[0]["full_state"]
+    assert set(full) == set(reference["state"])
+    assert all(not hasattr(v, "device_mesh") for v in full.values())
+    assert fsdp[1]["full_state"] == {}
+
+
+def test_reparametrizing_after_wrapping_is_refused(
+    ddp: list[dict[str, Any]], fsdp: list[dict[str, Any]]
+) -> None:
+    assert (
+        "is wrapped by DistributedDataParallel. Apply weight normalization before"
+        in (ddp[0]["refused_after_wrap"])
+    )
+    for message in fsdp[0]["refused_after_shard"].split("|"):
+        assert "is a DTensor: the model is already sharded by fully_shard. Apply" in message
