@@ -33,6 +33,7 @@ test: lint typecheck pytest
 bench: $(STAMP)
 	$(BIN)/python benchmarks/lars.py
 	$(BIN)/python benchmarks/ws.py
+	$(BIN)/python benchmarks/wn.py
 
 demo: $(STAMP)
 	$(BIN)/normhooks demo

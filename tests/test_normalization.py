@@ -16,6 +16,7 @@ from normhooks import (
     WeightNorm,
     convert_with_weight_normalization,
     data_dependent_init,
+    normalization,
     remove_weight_norm,
     weight_norm,
 )
@@ -219,6 +220,36 @@ def test_gradcheck_bidirectional_two_layer_rnn(rnn_type: type[nn.RNNBase]) -> No
     assert torch.autograd.gradcheck(run, values)
 
 
+@pytest.mark.parametrize("eps", [0.0, 1e-12, 0.1], ids=["eps0", "eps-default", "eps-large"])
+@pytest.mark.parametrize("dim", [0, 1, -1], ids=["dim0", "dim1", "dim-last"])
+def test_closed_form_gradients_match_autograd_of_the_formula(dim: int, eps: float) -> None:
+    g = torch.rand(4, 1, 1, dtype=torch.float64) + 0.5
+    g = g.movedim(0, dim)
+    v = torch.randn(4, 3, 2, dtype=torch.float64).movedim(0, dim).contiguous()
+    v.select(dim, 1).zero_()  # a zero row
+    grad_w = torch.randn_like(v)
+    results = []
+    for fn in (normalization._WeightNormFunction.apply, normalization._weight_norm):
+        g_, v_ = g.clone().requires_grad_(), v.clone().requires_grad_()
+        fn(g_, v_, dim % 3, eps).backward(grad_w)
+        results.append((g_.grad, v_.grad))
+    for closed_form, autograd in zip(*results, strict=True):
+        assert torch.isfinite(closed_form).all()
+        torch.testing.assert_close(closed_form, autograd)
+
+
+def test_double_backward() -> None:
+    layer = weight_norm(nn.Linear(4, 3).double())
+    keys = ["parametrizations.weight.original0", "parametrizations.weight.original1"]
+    values = tuple(layer.get_parameter(k).detach().clone().requires_grad_() for k in keys)
+    x = torch.randn(2, 4, dtype=torch.float64)
+
+    def run(*tensors: torch.Tensor) -> torch.Tensor:
+        return torch.func.functional_call(layer, dict(zip(keys, tensors, strict=True)), (x,))
+
+    assert torch.autograd.gradgradcheck(run, values)
+
+
 # --- RNNs keep working ---------------------------------------------------------------------
 
 
@@ -368,8 +399,6 @@ def test_deepcopy() -> None:
 
 
 def test_eval_caching() -> None:
-    from normhooks import normalization
-
     model = weight_norm(nn.Linear(4, 3)).eval()
     calls = [0]
     original = normalization.WeightNorm.compute
