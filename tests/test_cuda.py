@@ -11,6 +11,7 @@ import pytest
 import torch
 from torch import nn
 
+from helpers import assert_compiled_training_matches_eager, assert_grad_scaler_matches_unscaled
 from normhooks import (
     GradientLARS,
     apply_weight_standardization,
@@ -78,24 +79,13 @@ def test_lars_cuda_matches_cpu_in_float64() -> None:
 def test_fused_optimizer_under_grad_scaler_gives_unscaled_result(
     make: Callable[[Any], torch.optim.Optimizer],
 ) -> None:
-    model = cnn().cuda()
-    reference = copy.deepcopy(model)
+    def hooked(model: nn.Module) -> torch.optim.Optimizer:
+        optimizer = make(model.parameters())
+        GradientLARS(weight_decay=1e-3).attach(optimizer)
+        return optimizer
+
     x = torch.randn(8, 3, 16, 16, device="cuda")
-    scaler = torch.amp.GradScaler("cuda", init_scale=2.0**12)
-    optimizer = make(model.parameters())
-    GradientLARS(weight_decay=1e-3).attach(optimizer)
-    reference_optimizer = make(reference.parameters())
-    GradientLARS(weight_decay=1e-3).attach(reference_optimizer)
-    for _ in range(3):
-        optimizer.zero_grad()
-        scaler.scale(model(x).square().mean()).backward()
-        scaler.step(optimizer)
-        scaler.update()
-        reference_optimizer.zero_grad()
-        reference(x).square().mean().backward()
-        reference_optimizer.step()
-    for a, b in zip(model.parameters(), reference.parameters(), strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert_grad_scaler_matches_unscaled(cnn().cuda(), x, hooked, hooked, rtol=1e-5, atol=1e-6)
 
 
 def test_ws_and_wn_match_cpu() -> None:
@@ -133,27 +123,11 @@ def test_cudnn_rnn_with_weight_norm(rnn_type: type[nn.RNNBase]) -> None:
 
 
 def test_inductor_compiled_step_matches_eager() -> None:
-    torch._dynamo.reset()
-    eager = apply_weight_standardization(cnn()).cuda()
-    compiled = copy.deepcopy(eager)
-    x = torch.randn(8, 3, 16, 16, device="cuda")
-
     def make(model: nn.Module) -> torch.optim.Optimizer:
         optimizer = torch.optim.SGD(lars_param_groups(model), lr=0.1, momentum=0.9)
         GradientLARS(weight_decay=1e-4).attach(optimizer)
         return optimizer
 
-    eager_opt, compiled_opt = make(eager), make(compiled)
-
-    def step(model: nn.Module, optimizer: torch.optim.Optimizer) -> torch.Tensor:
-        optimizer.zero_grad()
-        loss = model(x).square().mean()
-        loss.backward()
-        optimizer.step()
-        return loss
-
-    compiled_step = torch.compile(step)
-    for _ in range(3):
-        torch.testing.assert_close(compiled_step(compiled, compiled_opt), step(eager, eager_opt))
-    for a, b in zip(eager.parameters(), compiled.parameters(), strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    model = apply_weight_standardization(cnn()).cuda()
+    x = torch.randn(8, 3, 16, 16, device="cuda")
+    assert_compiled_training_matches_eager(model, x, make, backend="inductor", rtol=1e-4, atol=1e-5)

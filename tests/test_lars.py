@@ -13,6 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
+from helpers import assert_compiled_training_matches_eager, assert_grad_scaler_matches_unscaled
 from normhooks import GradientLARS, lars_, lars_param_groups
 
 
@@ -488,24 +489,17 @@ def test_optimizer_calling_closure_twice_gets_clear_error() -> None:
 
 @pytest.mark.parametrize("fused", [False, True], ids=["foreach", "fused"])
 def test_grad_scaler_gives_unscaled_result(fused: bool) -> None:
-    model = mlp()
-    reference_model = copy.deepcopy(model)
-    x = torch.randn(16, 5)
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, fused=fused)
-    GradientLARS(weight_decay=1e-2).attach(optimizer)
-    reference_optimizer = torch.optim.SGD(reference_model.parameters(), lr=0.1, momentum=0.9)
-    GradientLARS(weight_decay=1e-2).attach(reference_optimizer)
-    for _ in range(3):
-        optimizer.zero_grad()
-        scaler.scale(model(x).square().mean()).backward()
-        scaler.step(optimizer)
-        scaler.update()
-        reference_optimizer.zero_grad()
-        reference_model(x).square().mean().backward()
-        reference_optimizer.step()
-    for a, b in zip(model.parameters(), reference_model.parameters(), strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+    def make(fused: bool) -> Callable[[nn.Module], torch.optim.Optimizer]:
+        def build(m: nn.Module) -> torch.optim.Optimizer:
+            optimizer = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9, fused=fused)
+            GradientLARS(weight_decay=1e-2).attach(optimizer)
+            return optimizer
+
+        return build
+
+    assert_grad_scaler_matches_unscaled(
+        mlp(), torch.randn(16, 5), make(fused), make(False), rtol=1e-6, atol=1e-7
+    )
 
 
 def test_deprecated_grad_scaler_kwarg_is_refused() -> None:
@@ -539,34 +533,12 @@ def test_bf16_model_trains_like_float32_within_rounding() -> None:
 
 
 def test_compiled_training_step_matches_eager() -> None:
-    torch._dynamo.reset()
-    model = mlp()
-    compiled_model = copy.deepcopy(model)
-    x = torch.randn(16, 5)
-
-    def make(m: nn.Module) -> tuple[torch.optim.Optimizer, GradientLARS]:
+    def make(m: nn.Module) -> torch.optim.Optimizer:
         optimizer = torch.optim.SGD(lars_param_groups(m), lr=0.1, momentum=0.9)
-        hook = GradientLARS(weight_decay=1e-3)
-        hook.attach(optimizer)
-        return optimizer, hook
+        GradientLARS(weight_decay=1e-3).attach(optimizer)
+        return optimizer
 
-    optimizer, _ = make(model)
-    compiled_optimizer, compiled_hook = make(compiled_model)
-
-    def step(m: nn.Module, opt: torch.optim.Optimizer) -> torch.Tensor:
-        opt.zero_grad()
-        loss = m(x).square().mean()
-        loss.backward()
-        opt.step()
-        return loss
-
-    compiled_step = torch.compile(step, backend="aot_eager")
-    for _ in range(3):
-        step(model, optimizer)
-        compiled_step(compiled_model, compiled_optimizer)
-    for a, b in zip(model.parameters(), compiled_model.parameters(), strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
-    assert compiled_hook.last_rates[0].shape == (2,)
+    assert_compiled_training_matches_eager(mlp(), torch.randn(16, 5), make, rtol=1e-5, atol=1e-6)
 
 
 def test_hook_traces_without_graph_breaks() -> None:

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
+from helpers import LAYERS, assert_compiled_training_matches_eager, input_for
 from normhooks import (
     WeightNorm,
     convert_with_weight_normalization,
@@ -39,30 +40,6 @@ def wn_names(module: nn.Module) -> list[str]:
     ]
 
 
-LAYERS: dict[str, Callable[[], nn.Module]] = {
-    "linear": lambda: nn.Linear(5, 4),
-    "bilinear": lambda: nn.Bilinear(3, 4, 2),
-    "embedding": lambda: nn.Embedding(6, 4),
-    "conv1d": lambda: nn.Conv1d(3, 4, 3),
-    "conv2d": lambda: nn.Conv2d(3, 4, 3, padding=1),
-    "conv3d": lambda: nn.Conv3d(2, 3, 2),
-    "deconv2d": lambda: nn.ConvTranspose2d(3, 4, 3, stride=2),
-    "deconv2d-grouped": lambda: nn.ConvTranspose2d(4, 6, 3, groups=2),
-}
-
-
-def input_for(layer: nn.Module, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, ...]:
-    if isinstance(layer, nn.Embedding):
-        return (torch.tensor([[0, 3, 5], [1, 1, 2]]),)
-    if isinstance(layer, nn.Bilinear):
-        return (torch.randn(2, 3, dtype=dtype), torch.randn(2, 4, dtype=dtype))
-    if isinstance(layer, nn.Linear):
-        return (torch.randn(2, 5, dtype=dtype),)
-    assert isinstance(layer, nn.modules.conv._ConvNd)
-    spatial = (5,) * len(layer.kernel_size)
-    return (torch.randn(2, layer.in_channels, *spatial, dtype=dtype),)
-
-
 # --- conversion ----------------------------------------------------------------------------
 
 
@@ -74,7 +51,7 @@ def test_conversion_keeps_output_and_gives_unit_rows(name: str) -> None:
     weight_norm(layer)
     torch.testing.assert_close(layer(*inputs), before)
     v = layer.parametrizations.weight.original1
-    dim = 1 if isinstance(layer, nn.ConvTranspose2d) else 0
+    dim = 1 if isinstance(layer, nn.modules.conv._ConvTransposeNd) else 0
     dims = [d for d in range(v.ndim) if d != dim]
     norms = torch.linalg.vector_norm(v, dim=dims)
     torch.testing.assert_close(norms, torch.ones(v.shape[dim], dtype=v.dtype))
@@ -422,31 +399,12 @@ def test_eval_caching() -> None:
 
 
 def test_compiled_training_step_matches_eager() -> None:
-    torch._dynamo.reset()
-
-    def make() -> nn.Module:
-        torch.manual_seed(5)
-        return weight_norm(
-            nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Flatten(), nn.Linear(64, 2))
-        )
-
-    eager, compiled = make(), make()
-    x = torch.randn(2, 3, 6, 6)
-
-    def step(model: nn.Module, optimizer: torch.optim.Optimizer) -> torch.Tensor:
-        optimizer.zero_grad()
-        loss = model(x).square().mean()
-        loss.backward()
-        optimizer.step()
-        return loss
-
-    eager_opt = torch.optim.SGD(eager.parameters(), lr=0.1)
-    compiled_opt = torch.optim.SGD(compiled.parameters(), lr=0.1)
-    compiled_step = torch.compile(step, backend="aot_eager")
-    for _ in range(3):
-        torch.testing.assert_close(compiled_step(compiled, compiled_opt), step(eager, eager_opt))
-    for a, b in zip(eager.parameters(), compiled.parameters(), strict=True):
-        torch.testing.assert_close(a, b)
+    model = weight_norm(
+        nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Flatten(), nn.Linear(64, 2))
+    )
+    assert_compiled_training_matches_eager(
+        model, torch.randn(2, 3, 6, 6), lambda m: torch.optim.SGD(m.parameters(), lr=0.1)
+    )
 
 
 # --- lazy modules --------------------------------------------------------------------------

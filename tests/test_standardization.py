@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from torch import nn
 from torch.nn.utils import parametrize
 
+from helpers import LAYERS, assert_compiled_training_matches_eager, input_for
 from normhooks import (
     ScaledWeightStandardization,
     WeightStandardization,
@@ -45,33 +46,6 @@ def reference(weight: torch.Tensor, dim: int, eps: float, groups: int = 1) -> to
             piece = w[rows, j]
             out[rows, j] = (piece - piece.mean()) / torch.sqrt(piece.var(unbiased=False) + eps)
     return out
-
-
-LAYERS: dict[str, Callable[[], nn.Module]] = {
-    "linear": lambda: nn.Linear(5, 4),
-    "bilinear": lambda: nn.Bilinear(3, 4, 2),
-    "embedding": lambda: nn.Embedding(6, 4),
-    "conv1d": lambda: nn.Conv1d(3, 4, 3),
-    "conv2d": lambda: nn.Conv2d(3, 4, 3, padding=1),
-    "conv2d-grouped": lambda: nn.Conv2d(4, 6, 3, groups=2),
-    "conv3d": lambda: nn.Conv3d(2, 3, 2),
-    "deconv1d": lambda: nn.ConvTranspose1d(3, 4, 3, stride=2),
-    "deconv2d": lambda: nn.ConvTranspose2d(3, 4, 3, stride=2),
-    "deconv2d-grouped": lambda: nn.ConvTranspose2d(4, 6, 3, stride=2, groups=2),
-    "deconv3d": lambda: nn.ConvTranspose3d(2, 3, 2),
-}
-
-
-def input_for(layer: nn.Module, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, ...]:
-    if isinstance(layer, nn.Embedding):
-        return (torch.tensor([[0, 3, 5], [1, 1, 2]]),)
-    if isinstance(layer, nn.Bilinear):
-        return (torch.randn(2, 3, dtype=dtype), torch.randn(2, 4, dtype=dtype))
-    if isinstance(layer, nn.Linear):
-        return (torch.randn(2, 5, dtype=dtype),)
-    assert isinstance(layer, nn.modules.conv._ConvNd)
-    spatial = (5,) * len(layer.kernel_size)
-    return (torch.randn(2, layer.in_channels, *spatial, dtype=dtype),)
 
 
 def output_axis(layer: nn.Module) -> int:
@@ -417,31 +391,12 @@ def test_baked_model_loads_into_plain_model() -> None:
 
 
 def test_compiled_training_step_matches_eager() -> None:
-    torch._dynamo.reset()
-
-    def make() -> nn.Module:
-        torch.manual_seed(3)
-        return apply_weight_standardization(
-            nn.Sequential(nn.Conv2d(3, 4, 3), nn.GroupNorm(2, 4), nn.ReLU(), nn.Conv2d(4, 2, 3))
-        )
-
-    eager, compiled = make(), make()
-    x = torch.randn(2, 3, 8, 8)
-
-    def step(model: nn.Module, optimizer: torch.optim.Optimizer) -> torch.Tensor:
-        optimizer.zero_grad()
-        loss = model(x).square().mean()
-        loss.backward()
-        optimizer.step()
-        return loss
-
-    eager_opt = torch.optim.SGD(eager.parameters(), lr=0.1)
-    compiled_opt = torch.optim.SGD(compiled.parameters(), lr=0.1)
-    compiled_step = torch.compile(step, backend="aot_eager")
-    for _ in range(3):
-        torch.testing.assert_close(compiled_step(compiled, compiled_opt), step(eager, eager_opt))
-    for a, b in zip(eager.parameters(), compiled.parameters(), strict=True):
-        torch.testing.assert_close(a, b)
+    model = apply_weight_standardization(
+        nn.Sequential(nn.Conv2d(3, 4, 3), nn.GroupNorm(2, 4), nn.ReLU(), nn.Conv2d(4, 2, 3))
+    )
+    assert_compiled_training_matches_eager(
+        model, torch.randn(2, 3, 8, 8), lambda m: torch.optim.SGD(m.parameters(), lr=0.1)
+    )
 
 
 # --- eval cache ----------------------------------------------------------------------------
