@@ -46,3 +46,45 @@ def print_ratios(title: str, times: Mapping[str, float], baseline: str) -> None:
     width = max(len(name) for name in times)
     for name, seconds in times.items():
         print(f"  {name:<{width}}  {seconds * 1e3:9.2f} ms  {seconds / base:6.3f}x")
+
+
+def compare_models(
+    title: str,
+    models: Mapping[str, torch.nn.Module],
+    x: torch.Tensor,
+    target: torch.Tensor,
+    device: torch.device,
+    repeats: int,
+) -> None:
+    """Prints train-step and eval-forward ratios of ``models`` to the one named "plain".
+
+    Train step: forward, cross-entropy backward and an SGD(momentum) step. Eval forward: eval
+    mode under ``torch.no_grad()``, as inference runs.
+    """
+    optimizers = {
+        name: torch.optim.SGD(m.parameters(), lr=1e-3, momentum=0.9) for name, m in models.items()
+    }
+
+    def train_step(name: str) -> Callable[[], None]:
+        def run() -> None:
+            optimizers[name].zero_grad(set_to_none=True)
+            torch.nn.functional.cross_entropy(models[name](x), target).backward()
+            optimizers[name].step()
+
+        return run
+
+    def eval_forward(name: str) -> Callable[[], None]:
+        def run() -> None:
+            with torch.no_grad():
+                models[name](x)
+
+        return run
+
+    for model in models.values():
+        model.train()
+    train = time_side_by_side({n: train_step(n) for n in models}, device, repeats)
+    print_ratios(f"{title}: train step (forward + backward + SGD)", train, "plain")
+    for model in models.values():
+        model.eval()
+    evaluation = time_side_by_side({n: eval_forward(n) for n in models}, device, repeats * 3)
+    print_ratios(f"{title}: eval forward (no_grad)", evaluation, "plain")

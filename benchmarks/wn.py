@@ -11,15 +11,13 @@ from __future__ import annotations
 
 import argparse
 import copy
-from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.utils.parametrizations import weight_norm as torch_weight_norm
 
 from _models import ResNet18
-from _timing import print_ratios, time_side_by_side
+from _timing import compare_models
 from normhooks import weight_norm
 
 
@@ -50,33 +48,7 @@ def compare(
         "normhooks weight_norm": weight_norm(copy.deepcopy(plain)),
         "torch weight_norm": with_torch_weight_norm(copy.deepcopy(plain)),
     }
-    optimizers = {
-        name: torch.optim.SGD(m.parameters(), lr=1e-3, momentum=0.9) for name, m in models.items()
-    }
-
-    def train_step(name: str) -> Callable[[], None]:
-        def run() -> None:
-            optimizers[name].zero_grad(set_to_none=True)
-            F.cross_entropy(models[name](x), target).backward()
-            optimizers[name].step()
-
-        return run
-
-    def eval_forward(name: str) -> Callable[[], None]:
-        def run() -> None:
-            with torch.no_grad():
-                models[name](x)
-
-        return run
-
-    for model in models.values():
-        model.train()
-    train = time_side_by_side({n: train_step(n) for n in models}, device, repeats)
-    print_ratios(f"{title}: train step (forward + backward + SGD)", train, "plain")
-    for model in models.values():
-        model.eval()
-    evaluation = time_side_by_side({n: eval_forward(n) for n in models}, device, repeats * 3)
-    print_ratios(f"{title}: eval forward (no_grad)", evaluation, "plain")
+    compare_models(title, models, x, target, device, repeats)
 
 
 def main() -> None:

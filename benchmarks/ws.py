@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from _models import ResNet18
-from _timing import print_ratios, time_side_by_side
+from _timing import compare_models
 from normhooks import apply_weight_standardization
 
 
@@ -53,38 +53,11 @@ def main() -> None:
     }
     x = torch.randn(args.batch, 3, 64, 64, device=device)
     target = torch.randint(0, 100, (args.batch,), device=device)
-
-    def train_step(model: nn.Module) -> None:
-        optimizer = optimizers[model]
-        optimizer.zero_grad(set_to_none=True)
-        F.cross_entropy(model(x), target).backward()
-        optimizer.step()
-
-    def eval_forward(model: nn.Module) -> None:
-        with torch.no_grad():
-            model(x)
-
-    optimizers = {
-        m: torch.optim.SGD(m.parameters(), lr=1e-3, momentum=0.9) for m in models.values()
-    }
     print(
-        f"Weight standardization on ResNet-18 (GroupNorm), batch {args.batch} at 64x64, {device}, "
-        f"torch {torch.__version__}, {torch.get_num_threads()} CPU threads"
+        f"Weight standardization, batch {args.batch}, {device}, torch {torch.__version__}, "
+        f"{torch.get_num_threads()} CPU threads"
     )
-    for model in models.values():
-        model.train()
-    train = time_side_by_side(
-        {name: (lambda m=m: train_step(m)) for name, m in models.items()}, device, args.repeats
-    )
-    print_ratios("train step (forward + backward + SGD)", train, "plain")
-    for model in models.values():
-        model.eval()
-    evaluation = time_side_by_side(
-        {name: (lambda m=m: eval_forward(m)) for name, m in models.items()},
-        device,
-        args.repeats * 3,
-    )
-    print_ratios("eval forward (no_grad)", evaluation, "plain")
+    compare_models("ResNet-18 (GroupNorm), 64x64", models, x, target, device, args.repeats)
 
 
 if __name__ == "__main__":
