@@ -489,6 +489,80 @@ def test_cached_weight_cannot_be_modified_in_place_under_autograd() -> None:
         layer.weight.add_(1.0)
 
 
+def test_cache_invalidated_by_fused_optimizer_step() -> None:
+    """Fused optimizers do not bump version counters; the step count catches them."""
+    layer = weight_standardization(nn.Linear(4, 3)).eval()
+    optimizer = torch.optim.Adam(layer.parameters(), lr=0.1, fused=True)
+    raw = layer.parametrizations.weight.original
+    x = torch.randn(2, 4)
+    for _ in range(2):
+        optimizer.zero_grad()
+        layer(x).square().sum().backward()
+        version = raw._version
+        optimizer.step()
+        assert raw._version == version  # the premise: no version bump
+        with torch.no_grad():
+            torch.testing.assert_close(layer.weight, standardize_weight(raw.detach()))
+
+
+def test_eval_mode_second_derivatives_are_exact() -> None:
+    layer = weight_standardization(nn.Linear(4, 3).double(), scaled=True)
+    x = torch.randn(5, 4, dtype=torch.float64)
+    raw = layer.parametrizations.weight.original
+
+    def second_derivative() -> torch.Tensor:
+        (grad,) = torch.autograd.grad(layer(x).pow(3).sum(), raw, create_graph=True)
+        (hessian_vector,) = torch.autograd.grad(grad.square().sum(), raw)
+        return hessian_vector
+
+    expected = second_derivative()
+    layer.eval()
+    torch.testing.assert_close(second_derivative(), expected)
+
+
+class _Mask(nn.Module):
+    """An uncached parametrization: a fresh tensor every call."""
+
+    def __init__(self, features: int) -> None:
+        super().__init__()
+        self.register_buffer("mask", torch.ones(features))
+
+    def forward(self, weight: torch.Tensor) -> torch.Tensor:
+        return weight * self.mask
+
+
+def test_cache_never_matches_a_new_tensor_at_a_reused_address() -> None:
+    layer = nn.Linear(4, 8)
+    parametrize.register_parametrization(layer, "weight", _Mask(4))
+    weight_standardization(layer)
+    layer.eval()
+    x = torch.randn(2, 4)
+    mask = layer.parametrizations.weight[0].mask
+    raw = layer.parametrizations.weight.original.detach()
+    with torch.no_grad():
+        for step in range(20):
+            layer(x)
+            mask.copy_(torch.rand(4) > 0.5)  # in place: the mask's new values, same buffer
+            torch.testing.assert_close(layer.weight, standardize_weight(raw * mask), msg=str(step))
+
+
+def test_inference_mode_result_is_not_served_to_autograd() -> None:
+    layer = weight_standardization(nn.Linear(4, 3)).eval()
+    with torch.inference_mode():
+        layer(torch.randn(2, 4))
+    layer(torch.randn(2, 4)).sum().backward()
+    assert layer.parametrizations.weight.original.grad is not None
+
+
+def test_in_place_write_to_served_weight_is_not_served_again() -> None:
+    layer = weight_standardization(nn.Linear(4, 3)).eval()
+    with torch.no_grad():
+        layer.weight.mul_(0)
+        torch.testing.assert_close(
+            layer.weight, standardize_weight(layer.parametrizations.weight.original.detach())
+        )
+
+
 # --- errors --------------------------------------------------------------------------------
 
 

@@ -11,18 +11,17 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
-from torch.autograd.function import FunctionCtx, once_differentiable
+from torch.autograd.function import FunctionCtx
 from torch.nn.utils import parametrize
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 HALF_DTYPES = (torch.float16, torch.bfloat16)
 TRANSPOSED = (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
-
-_Key = tuple[tuple[int, int, torch.Size, torch.dtype, torch.device], ...]
-
 
 _fsdp_seen: tuple[int, bool] = (-1, False)
 
@@ -46,8 +45,61 @@ def fsdp_in_use() -> bool:
     return _fsdp_seen[1]
 
 
-def _key(tensors: tuple[Tensor, ...]) -> _Key:
-    return tuple((t.data_ptr(), t._version, t.shape, t.dtype, t.device) for t in tensors)
+_optimizer_steps = 0
+_watching_optimizers = False
+
+
+def _count_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    global _optimizer_steps
+    _optimizer_steps += 1
+
+
+def _watch_optimizers() -> None:
+    """Counts every optimizer step of the process (a global step post-hook, installed once).
+
+    Fused optimizers (``fused=True``) update parameters without bumping their version
+    counters, so the count is what tells a cache that an optimizer may have moved them.
+    """
+    global _watching_optimizers
+    if not _watching_optimizers:
+        register_optimizer_step_post_hook(_count_step)
+        _watching_optimizers = True
+
+
+@dataclass
+class _Entry:
+    """A cached result and everything that must be unchanged for it to be served again."""
+
+    result: Tensor
+    result_version: int | None
+    inputs: tuple[Tensor, ...]  # held, so their memory cannot be reused by other tensors
+    versions: tuple[int, ...]
+    pointers: tuple[int, ...]
+    steps: int
+    inference: bool
+
+    @staticmethod
+    def of(result: Tensor, inputs: tuple[Tensor, ...]) -> _Entry:
+        return _Entry(
+            result,
+            None if result.is_inference() else result._version,
+            inputs,
+            tuple(t._version for t in inputs),
+            tuple(t.data_ptr() for t in inputs),
+            _optimizer_steps,
+            torch.is_inference_mode_enabled(),
+        )
+
+    def serves(self, inputs: tuple[Tensor, ...]) -> bool:
+        return (
+            self.steps == _optimizer_steps
+            and self.inference == torch.is_inference_mode_enabled()
+            and len(inputs) == len(self.inputs)
+            and all(a is b for a, b in zip(inputs, self.inputs, strict=True))
+            and self.pointers == tuple(t.data_ptr() for t in inputs)
+            and self.versions == tuple(t._version for t in inputs)
+            and (self.result_version is None or self.result_version == self.result._version)
+        )
 
 
 class _ReuseForward(torch.autograd.Function):
@@ -65,12 +117,21 @@ class _ReuseForward(torch.autograd.Function):
         return cached.view_as(cached)
 
     @staticmethod
-    @once_differentiable
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
-        inputs = [t.detach().requires_grad_(t.requires_grad) for t in ctx.saved_tensors]
+        differentiable = torch.is_grad_enabled()
+        saved = ctx.saved_tensors
+        # A differentiable backward (double backward) recomputes from the saved inputs, which
+        # carry their history, so second derivatives stay exact.
+        inputs = (
+            saved
+            if differentiable
+            else tuple(t.detach().requires_grad_(t.requires_grad) for t in saved)
+        )
         wanted = [t for t in inputs if t.requires_grad]
         with torch.enable_grad():
-            grads = iter(torch.autograd.grad(ctx.compute(*inputs), wanted, grad))
+            grads = iter(
+                torch.autograd.grad(ctx.compute(*inputs), wanted, grad, create_graph=differentiable)
+            )
         return (None, None, *(next(grads) if t.requires_grad else None for t in inputs))
 
 
@@ -78,11 +139,13 @@ class CachedParametrization(nn.Module):
     """A parametrization whose result is reused for inference.
 
     Subclasses implement ``compute(*inputs, *own_parameters)``. The result is computed once
-    and reused, until an input or one of the module's own parameters changes (storage,
-    in-place version, shape, dtype or device), whenever no gradient can reach those tensors
-    (``torch.no_grad()``, ``inference_mode``, frozen weights) or the module is in eval mode.
-    In eval mode with autograd recording, the cached value is returned and the backward pass
-    recomputes the gradients from the inputs, so they stay exact.
+    and reused whenever no gradient can reach those tensors (``torch.no_grad()``,
+    ``inference_mode``, frozen weights) or the module is in eval mode, until an input or one
+    of the module's own parameters changes: another tensor object, new storage, an in-place
+    write (version counter), or any optimizer step in the process (fused optimizers do not
+    bump version counters). In eval mode with autograd recording, the cached value is returned
+    and the backward pass recomputes the gradients from the inputs, so first and second
+    derivatives stay exact.
 
     In-place writes through ``.data`` bypass the version counter; the cache is also dropped
     at every ``train()``/``eval()`` switch, which covers the usual train-then-evaluate loop.
@@ -91,15 +154,15 @@ class CachedParametrization(nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        self._cached: Tensor | None = None
-        self._cached_key: _Key | None = None
+        self._entry: _Entry | None = None
+        _watch_optimizers()
 
     def compute(self, *tensors: Tensor) -> Tensor:
         raise NotImplementedError
 
     def forward(self, *inputs: Tensor) -> Tensor:
         tensors = inputs + tuple(p for p in self.parameters(recurse=False))
-        if torch.compiler.is_compiling() or fsdp_in_use():
+        if torch.compiler.is_compiling() or fsdp_in_use() or any(t.is_inference() for t in tensors):
             # FSDP2 hands over the same unsharded tensor each forward, refilled without a
             # version bump, and caching it would keep a full weight that FSDP means to free.
             return self.compute(*tensors)
@@ -107,31 +170,28 @@ class CachedParametrization(nn.Module):
         if needs_graph and self.training:
             self.clear_cache()
             return self.compute(*tensors)
-        key = _key(tensors)
-        if self._cached is None or key != self._cached_key:
+        if self._entry is None or not self._entry.serves(tensors):
+            self._entry = None
             with torch.no_grad():
-                self._cached = self.compute(*tensors)
-            self._cached_key = key
+                self._entry = _Entry.of(self.compute(*tensors), tensors)
         if needs_graph:
             result: Tensor = _ReuseForward.apply(  # type: ignore[no-untyped-call]
-                self.compute, self._cached, *tensors
+                self.compute, self._entry.result, *tensors
             )
             return result
-        return self._cached
+        return self._entry.result
 
     def clear_cache(self) -> None:
-        self._cached = None
-        self._cached_key = None
+        self._entry = None
 
     def train(self, mode: bool = True) -> CachedParametrization:
         self.clear_cache()
         return super().train(mode)
 
     def __getstate__(self) -> dict[str, Any]:
-        # Copies and pickles recompute on first use instead of carrying a stale weight.
+        # Copies recompute on first use instead of carrying another module's weight.
         state = dict(super().__getstate__())  # type: ignore[no-untyped-call]
-        state["_cached"] = None
-        state["_cached_key"] = None
+        state["_entry"] = None
         return state
 
 
