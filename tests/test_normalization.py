@@ -20,6 +20,7 @@ from normhooks import (
     normalization,
     remove_weight_norm,
     weight_norm,
+    weight_standardization,
 )
 
 
@@ -99,11 +100,41 @@ def test_explicit_name_converts_only_that_parameter() -> None:
     assert wn_names(attention) == ["in_proj_weight"]
 
 
-def test_v_is_the_weight_parameter_object() -> None:
-    layer = nn.Linear(3, 2)
-    weight = layer.weight
-    weight_norm(layer)
-    assert layer.parametrizations.weight.original1 is weight
+def test_tied_module_is_unaffected_by_converting_one_owner() -> None:
+    embedding = nn.Embedding(10, 4)
+    head = nn.Linear(4, 10, bias=False)
+    head.weight = embedding.weight
+    tokens = torch.tensor([1, 5, 7])
+    before = embedding(tokens).detach().clone()
+    weight_norm(head, "weight")
+    torch.testing.assert_close(embedding(tokens), before, rtol=0, atol=0)
+    torch.testing.assert_close(head.weight, embedding.weight)
+
+
+def test_name_none_refuses_tied_weights() -> None:
+    model = nn.ModuleDict({"embed": nn.Embedding(10, 4), "head": nn.Linear(4, 10)})
+    model["head"].weight = model["embed"].weight
+    with pytest.raises(ValueError, match=r"embed\.weight and head\.weight are the same Parameter"):
+        weight_norm(model)
+    assert wn_names(model) == []
+
+
+def test_channels_last_conv_backward() -> None:
+    reference = weight_norm(nn.Conv2d(3, 4, 3).double())
+    layer = copy.deepcopy(reference).to(memory_format=torch.channels_last)
+    x = torch.randn(2, 3, 6, 6, dtype=torch.float64)
+    layer(x.to(memory_format=torch.channels_last)).square().sum().backward()
+    reference(x).square().sum().backward()
+    for a, b in zip(layer.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(a.grad, b.grad)
+
+
+def test_ddi_on_unbatched_conv_input() -> None:
+    model = weight_norm(nn.Sequential(nn.Conv1d(2, 3, 3)))
+    x = torch.randn(2, 50)
+    data_dependent_init(model, x)
+    y = model(x)
+    torch.testing.assert_close(y.std(1, unbiased=False), torch.ones(3), atol=1e-4, rtol=0)
 
 
 def test_convert_with_weight_normalization_builds_and_converts() -> None:
@@ -593,6 +624,10 @@ def test_ddi_errors() -> None:
     sideways = weight_norm(nn.Sequential(nn.Linear(3, 2)), dim=1)
     with pytest.raises(ValueError, match=r"0 \(Linear\) is weight-normalized along dim=1"):
         data_dependent_init(sideways, torch.randn(2, 3))
+    stacked = weight_norm(nn.Sequential(nn.Linear(3, 2)))
+    weight_standardization(stacked[0])
+    with pytest.raises(ValueError, match=r"needs weight normalization alone on 0 \(Linear\)"):
+        data_dependent_init(stacked, torch.randn(2, 3))
 
 
 # --- errors --------------------------------------------------------------------------------
@@ -659,11 +694,31 @@ def test_non_floating_parameter() -> None:
         weight_norm(layer, "weight")
 
 
+def test_nothing_to_convert_says_why() -> None:
+    layer = weight_standardization(nn.Conv2d(3, 4, 3))
+    with pytest.raises(ValueError, match="0 are already weight-normalized and 1 have another"):
+        weight_norm(layer)
+
+
+def test_weight_norm_dim_checked_when_registered_directly() -> None:
+    with pytest.raises(ValueError, match=r"dim must be in \[-2, 1\] for a weight of shape"):
+        parametrize.register_parametrization(nn.Linear(3, 2), "weight", WeightNorm(dim=5))
+
+
+def test_remove_one_name_of_a_pending_lazy_conversion() -> None:
+    layer = weight_norm(nn.LazyLinear(3))
+    with pytest.raises(ValueError, match=r"LazyLinear\.weight is waiting to be converted"):
+        remove_weight_norm(layer, "weight")
+    remove_weight_norm(layer)
+    layer(torch.randn(2, 4))
+    assert wn_names(layer) == []
+
+
 def test_converting_twice() -> None:
     layer = weight_norm(nn.Linear(3, 2))
     with pytest.raises(ValueError, match=r"Linear\.weight is already weight-normalized"):
         weight_norm(layer, "weight")
-    with pytest.raises(ValueError, match="every such parameter is already weight-normalized"):
+    with pytest.raises(ValueError, match="1 are already weight-normalized and 0 have another"):
         weight_norm(layer)
 
 

@@ -669,10 +669,35 @@ def test_parametrization_constructor_errors() -> None:
         WeightStandardization(eps=0.0)
     with pytest.raises(TypeError, match=r"dim must be an int, got dim=0\.5"):
         WeightStandardization(dim=0.5)  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="groups must be a positive int"):
+    with pytest.raises(ValueError, match="groups must be positive, got groups=0"):
         WeightStandardization(groups=0)
-    with pytest.raises(ValueError, match="num_channels must be a positive int"):
+    with pytest.raises(TypeError, match="groups must be an int, got groups='2'"):
+        WeightStandardization(groups="2")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="num_channels must be positive, got num_channels=0"):
         ScaledWeightStandardization(0)
+
+
+def test_parametrization_dim_checked_when_registered_directly() -> None:
+    with pytest.raises(ValueError, match=r"dim must be in \[-2, 1\] for a weight of shape"):
+        parametrize.register_parametrization(
+            nn.Linear(3, 2), "weight", WeightStandardization(dim=5)
+        )
+
+
+def test_remove_checks_name_type() -> None:
+    with pytest.raises(TypeError, match="name must be a str, got name=3"):
+        remove_weight_standardization(nn.Linear(3, 2), 3)  # type: ignore[arg-type]
+
+
+def test_bake_does_not_alias_a_weight_served_earlier() -> None:
+    layer = weight_standardization(nn.Linear(4, 3)).eval()
+    with torch.no_grad():
+        served = layer.weight
+        snapshot = served.clone()
+    remove_weight_standardization(layer)
+    with torch.no_grad():
+        layer.weight.add_(1.0)
+    torch.testing.assert_close(served, snapshot, rtol=0, atol=0)
 
 
 def test_module_argument_checked() -> None:

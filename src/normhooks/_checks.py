@@ -50,3 +50,11 @@ def axis(name: str, value: object, ndim: int, where: str) -> int:
             f"got {name}={value}"
         )
     return value % ndim
+
+
+def positive_int(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {name}={value!r}")
+    if value < 1:
+        raise ValueError(f"{name} must be positive, got {name}={value!r}")
+    return value

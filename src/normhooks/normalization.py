@@ -32,7 +32,6 @@ from normhooks._parametrization import (
     is_uninitialized,
     layer_name,
     original,
-    originals,
     output_axis,
     parametrizations_of,
     parametrized_names,
@@ -118,7 +117,7 @@ class _WeightNormFunction(torch.autograd.Function):
             return (*(next(grads) if t.requires_grad else None for t in (g, v)), None, None)
         # At a zero row v is zero, so the terms in v vanish whatever their coefficient.
         safe_norm = torch.where(norm > 0, norm, torch.ones_like(norm))
-        if ctx.dim in (0, v.ndim - 1):
+        if ctx.dim in (0, v.ndim - 1) and v.is_contiguous():
             # torch's fused kernel for g * v / ||v||, given d for ||v||: grad_g = p / d is
             # exact, and its grad_v has p / d^3 where the exact term is p / (d^2 ||v||).
             grad_v, grad_g = torch.ops.aten._weight_norm_interface_backward(
@@ -177,6 +176,7 @@ class WeightNorm(CachedParametrization):
         return _weight_norm(g, v, dim, self.eps)
 
     def right_inverse(self, weight: Tensor) -> tuple[Tensor, Tensor]:
+        _checks.axis("dim", self.dim, weight.ndim, f"a weight of shape {list(weight.shape)}")
         norm = _row_norms(weight, self.dim % weight.ndim)
         denominator = _safe_denominator(norm, self.eps)
         g = denominator if self.eps > 0 else norm
@@ -236,14 +236,11 @@ def _axis(module: nn.Module, name: str, ndim: int, dim: int | None) -> int:
 
 
 def _convert(module: nn.Module, name: str, axis: int, eps: float) -> None:
-    """Registers WN on ``module.<name>``; the weight's Parameter object becomes v."""
-    weight = module._parameters[name]
-    assert weight is not None
+    """Registers WN on ``module.<name>``; g and v are new Parameters, the weight is left as is.
+
+    The old Parameter keeps its values, so a module that shares (ties) it is unaffected.
+    """
     parametrize.register_parametrization(module, name, WeightNorm(axis, eps))
-    with torch.no_grad():
-        weight.copy_(original(module, name, "original1"))
-    # Keeping the Parameter object as v lets remove_weight_norm hand the same object back.
-    originals(module, name).original1 = weight
     _install_legacy_keys(module, name)
 
 
@@ -318,22 +315,38 @@ def weight_norm(
     refuse_wrapped(module, "weight normalization")
     planned: list[tuple[nn.Module, str, int]] = []
     lazy: list[nn.Module] = []
-    already = 0
-    for sub in module.modules():
+    owners: dict[int, str] = {}
+    normalized = other = 0
+    for prefix, sub in module.named_modules():
         if _is_internal(sub):
             continue
         if any(is_uninitialized(p) for p in sub._parameters.values()):
             if not _is_pending(sub, _ALL):
                 lazy.append(sub)
             continue
-        planned.extend((sub, param_name, axis) for param_name, axis in _direct_targets(sub, dim))
-        already += sum(_is_weight_normalized(sub, n) for n in parametrized_names(sub))
+        for param_name, axis in _direct_targets(sub, dim):
+            where = f"{prefix}.{param_name}" if prefix else param_name
+            first = owners.setdefault(id(sub._parameters[param_name]), where)
+            if first != where:
+                raise ValueError(
+                    f"{first} and {where} are the same Parameter (tied weights); converting "
+                    "each would untie them. Convert one with weight_norm(module, name) and "
+                    "tie the other to it yourself"
+                )
+            planned.append((sub, param_name, axis))
+        for tensor_name in parametrized_names(sub):
+            if _is_weight_normalized(sub, tensor_name):
+                normalized += 1
+            else:
+                other += 1
     if not planned and not lazy:
-        reason = (
-            "every such parameter is already weight-normalized"
-            if already
-            else ("it has no parameter with 2 or more dimensions")
-        )
+        if normalized or other:
+            reason = (
+                f"of its parameters with 2 or more dimensions, {normalized} are already "
+                f"weight-normalized and {other} have another parametrization"
+            )
+        else:
+            reason = "it has no parameter with 2 or more dimensions"
         raise ValueError(f"nothing to convert in {layer_name(module)}: {reason}")
     for sub, param_name, axis in planned:
         _convert(sub, param_name, axis, eps)
@@ -389,9 +402,8 @@ def convert_with_weight_normalization(module_cls: Callable[..., M], *args: Any, 
 def remove_weight_norm(module: M, name: str | None = None) -> M:
     """Folds weight normalization back into plain Parameters.
 
-    The output is unchanged, and the weight becomes the Parameter object that held v (which
-    is the weight's own Parameter from before the conversion), so an optimizer that holds it
-    keeps updating the weight.
+    The output is unchanged, and the weight becomes the Parameter object that held v, so an
+    optimizer that holds v keeps updating the weight.
 
     Args:
         module: the module.
@@ -410,9 +422,16 @@ def remove_weight_norm(module: M, name: str | None = None) -> M:
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
+    if name is not None and not isinstance(name, str):
+        raise TypeError(f"name must be a str or None, got name={name!r}")
     if name is not None:
         if cancel_deferred(module, name, _MARKER):
             return module
+        if deferred(module, _ALL, _MARKER) is not None:
+            raise ValueError(
+                f"{describe(module, name)} is waiting to be converted with every parameter of "
+                f"this lazy {layer_name(module)}; cancel that with remove_weight_norm(module)"
+            )
         if not _is_weight_normalized(module, name):
             raise ValueError(
                 f"{describe(module, name)} is not weight-normalized; nothing to remove"
@@ -453,9 +472,13 @@ def _fold(module: nn.Module, name: str) -> None:
 _INIT_LAYERS = (nn.Linear, nn.modules.conv._ConvNd)
 
 
-def _unit_axis(layer: nn.Module) -> int:
+def _unit_axis(layer: nn.Module, output: Tensor) -> int:
     """The axis of a layer's output that indexes its units."""
-    return -1 if isinstance(layer, nn.Linear) else 1
+    if isinstance(layer, nn.Linear):
+        return output.ndim - 1
+    assert isinstance(layer, nn.modules.conv._ConvNd)
+    # An unbatched convolution (C, *spatial) has its channels first.
+    return 0 if output.ndim == len(layer.kernel_size) + 1 else 1
 
 
 def _all_reduce_(tensor: Tensor) -> Tensor:
@@ -502,7 +525,7 @@ class _Initializer:
         if layer in self.done:
             return None
         self.done.add(layer)
-        axis = _unit_axis(layer) % output.ndim
+        axis = _unit_axis(layer, output)
         mean, variance = _moments(output, axis)
         std = variance.sqrt()
         # A unit whose pre-activation is constant over the batch has no scale to set.
@@ -535,9 +558,15 @@ def _initializable(model: nn.Module) -> list[tuple[str, nn.Module]]:
             )
         if not (isinstance(layer, _INIT_LAYERS) and _is_weight_normalized(layer, "weight")):
             continue
-        wn = parametrizations_of(layer, "weight")[-1]
-        assert isinstance(wn, WeightNorm)
         where = f"{name or layer_name(model)} ({layer_name(layer)})"
+        chain = parametrizations_of(layer, "weight")
+        wn = chain[0]
+        if len(chain) > 1 or not isinstance(wn, WeightNorm):
+            raise ValueError(
+                f"data_dependent_init needs weight normalization alone on {where}.weight, "
+                f"found {[type(p).__name__ for p in chain]}: a parametrization on top of it "
+                "would change how g scales the output"
+            )
         if wn.dim % original(layer, "weight", "original1").ndim != output_axis(layer):
             raise ValueError(
                 f"data_dependent_init needs one g per output unit, but {where} is "

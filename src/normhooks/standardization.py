@@ -149,13 +149,15 @@ class WeightStandardization(CachedParametrization):
         self.eps = _checks.positive("eps", eps)
         if isinstance(dim, bool) or not isinstance(dim, int):
             raise TypeError(f"dim must be an int, got dim={dim!r}")
-        if isinstance(groups, bool) or not isinstance(groups, int) or groups < 1:
-            raise ValueError(f"groups must be a positive int, got groups={groups!r}")
         self.dim = dim
-        self.groups = groups
+        self.groups = _checks.positive_int("groups", groups)
+
+    def _axis(self, weight: Tensor) -> int:
+        return _checks.axis("dim", self.dim, weight.ndim, f"a weight of shape {list(weight.shape)}")
 
     def compute(self, *tensors: Tensor) -> Tensor:
-        return standardize_weight(tensors[0], self.dim, self.eps, groups=self.groups)
+        weight = tensors[0]
+        return standardize_weight(weight, self._axis(weight), self.eps, groups=self.groups)
 
     def extra_repr(self) -> str:
         groups = f", groups={self.groups}" if self.groups != 1 else ""
@@ -197,17 +199,17 @@ class ScaledWeightStandardization(WeightStandardization):
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__(eps, dim, groups=groups)
-        if isinstance(num_channels, bool) or not isinstance(num_channels, int) or num_channels < 1:
-            raise ValueError(f"num_channels must be a positive int, got {num_channels!r}")
+        _checks.positive_int("num_channels", num_channels)
         self.gamma = _checks.positive("gamma", gamma)
         self.gain = nn.Parameter(torch.ones(num_channels, device=device, dtype=dtype))
 
     def compute(self, *tensors: Tensor) -> Tensor:
         weight, gain = tensors
-        rows, _ = _rows(weight, self.dim, self.groups)
+        dim = self._axis(weight)
+        rows, _ = _rows(weight, dim, self.groups)
         fan_in = rows.shape[1]
         scale = gain * (self.gamma / math.sqrt(fan_in)) if fan_in else gain
-        return standardize_weight(weight, self.dim, self.eps, groups=self.groups, gain=scale)
+        return standardize_weight(weight, dim, self.eps, groups=self.groups, gain=scale)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, gamma={self.gamma}, num_channels={self.gain.numel()}"
@@ -391,6 +393,8 @@ def remove_weight_standardization(
     bake = _checks.boolean("bake", bake)
     if not isinstance(module, nn.Module):
         raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
+    if not isinstance(name, str):
+        raise TypeError(f"name must be a str, got name={name!r}")
     if cancel_deferred(module, name, _MARKER):
         return module
     chain = parametrizations_of(module, name)
@@ -405,5 +409,9 @@ def remove_weight_standardization(
             )
         del module.parametrizations[name][-1]  # type: ignore[union-attr,index]
         return module
+    for parametrization in chain:
+        # Baking stores the value computed now, not a cached tensor a caller may still hold.
+        if isinstance(parametrization, WeightStandardization):
+            parametrization.clear_cache()
     parametrize.remove_parametrizations(module, name, leave_parametrized=bake)
     return module
