@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 from helpers import assert_compiled_training_matches_eager, assert_grad_scaler_matches_unscaled
-from normhooks import GradientLARS, lars_, lars_param_groups
+from normhooks import GradientLARS, lars_, lars_param_groups, weight_norm
 
 
 def reference(
@@ -387,6 +387,14 @@ def test_lars_param_groups_exclude_replaces_rule() -> None:
     assert groups[1]["params"][0] is model[1].weight
 
 
+def test_lars_param_groups_leaves_gains_alone() -> None:
+    model = weight_norm(nn.Sequential(nn.Conv2d(3, 8, 3)))
+    groups = lars_param_groups(model)
+    skipped = {id(p) for p in groups[1]["params"]}
+    assert id(model[0].parametrizations.weight.original0) in skipped
+    assert id(model[0].parametrizations.weight.original1) not in skipped
+
+
 def test_lars_param_groups_leaves_out_empty_groups() -> None:
     groups = lars_param_groups(nn.Linear(3, 4, bias=False))
     assert len(groups) == 1
@@ -500,6 +508,21 @@ def test_grad_scaler_gives_unscaled_result(fused: bool) -> None:
     assert_grad_scaler_matches_unscaled(
         mlp(), torch.randn(16, 5), make(fused), make(False), rtol=1e-6, atol=1e-7
     )
+
+
+def test_fused_amp_path_keeps_small_half_precision_gradients() -> None:
+    """Grads stay scaled (never divided in place), so values below fp16's range survive."""
+    param = nn.Parameter(torch.full((3,), 0.5, dtype=torch.float16))
+    scale = torch.tensor(65536.0)
+    true_grad = torch.full((3,), 2e-8)
+    param.grad = (true_grad * scale).to(torch.float16)
+    optimizer = torch.optim.SGD([param], lr=0.1)
+    optimizer.grad_scale = scale  # what GradScaler sets for a fused optimizer
+    hook = GradientLARS(weight_decay=1e-3)
+    hook.attach(optimizer)
+    hook._pre_step(optimizer, (optimizer,), {})
+    expected, _ = reference(param.float(), param.grad.float() / scale, weight_decay=1e-3)
+    torch.testing.assert_close(param.grad.float() / scale, expected.float(), rtol=2e-3, atol=0)
 
 
 def test_deprecated_grad_scaler_kwarg_is_refused() -> None:
@@ -657,6 +680,30 @@ def test_unknown_group_key_refused_at_attach() -> None:
         GradientLARS().attach(optimizer)
 
 
+def test_duplicate_tensor_refused() -> None:
+    param = param_with_grad(3, 3)
+    before = param.grad.clone()
+    with pytest.raises(ValueError, match=r"parameters\[1\] is the same tensor as parameters\[0\]"):
+        lars_([param, param])
+    torch.testing.assert_close(param.grad, before, rtol=0, atol=0)
+
+
+def test_bad_group_refused_before_the_closure_runs() -> None:
+    model = mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    GradientLARS().attach(optimizer)
+    optimizer.add_param_group({"params": [nn.Parameter(torch.ones(2))], "lars_eps": -1.0})
+    calls = []
+
+    def closure() -> torch.Tensor:
+        calls.append(1)
+        return model(torch.ones(1, 5)).sum()
+
+    with pytest.raises(ValueError, match="param group 1: lars_eps must be non-negative"):
+        optimizer.step(closure)
+    assert calls == []
+
+
 def test_unknown_group_key_added_later_refused_before_any_change() -> None:
     first = param_with_grad(3, 3)
     before = first.grad.clone()
@@ -691,6 +738,6 @@ def test_lars_param_groups_errors() -> None:
     with pytest.raises(TypeError, match="exclude must be a callable"):
         lars_param_groups(mlp(), exclude=3)  # type: ignore[arg-type]
     with pytest.raises(
-        TypeError, match=r"exclude must return a bool, got str for parameter '0\.weight'"
+        TypeError, match=r"exclude must return a bool, got builtins\.str for parameter '0\.weight'"
     ):
         lars_param_groups(mlp(), exclude=lambda name, p: name)  # type: ignore[arg-type,return-value]

@@ -72,11 +72,10 @@ def _settings(
 def _check_param(param: object, where: str) -> Tensor:
     if not isinstance(param, Tensor):
         raise TypeError(f"{where} must be a torch.Tensor, got {type(param).__name__}")
-    if not (param.is_floating_point()):
-        kind = "complex" if param.is_complex() else str(param.dtype)
+    if not param.is_floating_point():
         raise TypeError(
-            f"{where} must be a real floating-point tensor, got a {kind} tensor of dtype "
-            f"{param.dtype}; LARS is defined for real parameters only"
+            f"{where} must be a real floating-point tensor, got dtype {param.dtype}; LARS is "
+            "defined for real parameters only"
         )
     return param
 
@@ -131,18 +130,34 @@ def _rates(
     return torch.where(scaled, rate, torch.ones_like(rate))
 
 
-def _apply_(params: list[Tensor], grads: list[Tensor], rates: Tensor, weight_decay: float) -> None:
-    """``g <- rate * (g + weight_decay * w)`` in place, for one device and dtype."""
+def _apply_(
+    params: list[Tensor],
+    grads: list[Tensor],
+    rates: Tensor,
+    weight_decay: float,
+    grad_scale: Tensor | None,
+) -> None:
+    """``g <- rate * (g + weight_decay * w)`` in place, for one device and dtype.
+
+    Gradients that a GradScaler left scaled by ``grad_scale`` stay scaled: the decay is scaled
+    to match, and the gradients are never divided, which would lose small float16 values.
+    """
+    decay: float | Tensor = weight_decay
+    if grad_scale is not None:
+        decay = grad_scale.to(grads[0].device, torch.float32) * weight_decay
     if grads[0].dtype in _HALF_DTYPES:
         # One rounding to the low-precision dtype, as a float32 computation would give.
         for param, grad, rate in zip(params, grads, rates.unbind(0), strict=True):
             exact = grad.float()
             if weight_decay != 0:
-                exact.add_(param.float(), alpha=weight_decay)
+                exact.add_(param.float() * decay)
             grad.copy_(exact.mul_(rate))
         return
     if weight_decay != 0:
-        torch._foreach_add_(grads, params, alpha=weight_decay)
+        if isinstance(decay, Tensor):
+            torch._foreach_add_(grads, torch._foreach_mul(params, decay.to(grads[0].dtype)))
+        else:
+            torch._foreach_add_(grads, params, alpha=decay)
     torch._foreach_mul_(grads, list(rates.to(grads[0].dtype).unbind(0)))
 
 
@@ -191,7 +206,14 @@ def _sharding(param: Tensor, where: str) -> tuple[Any, tuple[int, ...]] | None:
 def _units(params: Sequence[Tensor], where: Sequence[str]) -> list[_Unit]:
     dtensor = _dtensor_type()
     units: dict[tuple[Any, ...], _Unit] = {}
+    seen: dict[int, int] = {}
     for index, param in enumerate(params):
+        first = seen.setdefault(id(param), index)
+        if first != index:
+            raise ValueError(
+                f"{where[index]} is the same tensor as {where[first]}; LARS would scale its "
+                "gradient twice"
+            )
         grad: Any = param.grad
         local: Any = param
         reduce = None
@@ -250,16 +272,14 @@ def _scale_grads_(
     if not params:
         return torch.empty(0)
     units = _units(params, where or [f"parameters[{i}]" for i in range(len(params))])
-    if grad_scale is not None:
-        # A fused optimizer under GradScaler gets scaled grads and unscales them itself: the
-        # norms need the true grads, and the optimizer needs them scaled again.
-        for unit in units:
-            torch._foreach_div_(unit.grads, grad_scale.to(unit.grads[0].device))
     per_unit: list[tuple[list[int], Tensor]] = []
     for unit, (w_norm, g_norm) in zip(units, _full_norms(units), strict=True):
+        if grad_scale is not None:
+            # A fused optimizer under GradScaler gets scaled grads and unscales them itself:
+            # the rate needs the norm of the true gradient.
+            g_norm = g_norm / grad_scale.to(g_norm.device, g_norm.dtype)
         rates = _rates(w_norm, g_norm, settings, lr)
-        applied = rates if grad_scale is None else rates * grad_scale.to(rates.device)
-        _apply_(unit.params, unit.grads, applied, settings.weight_decay)
+        _apply_(unit.params, unit.grads, rates, settings.weight_decay, grad_scale)
         per_unit.append((unit.indices, rates))
     if len(per_unit) == 1:
         return per_unit[0][1]
@@ -345,8 +365,9 @@ def lars_param_groups(
 ) -> list[dict[str, Any]]:
     """Splits a model's parameters into a LARS group and a group the hook leaves alone.
 
-    By default every parameter with fewer than 2 dimensions (biases, the affine parameters of
-    normalization layers) goes into a group with ``"lars": False``: the hook neither scales
+    By default every parameter with at most one dimension longer than 1 (biases, the affine
+    parameters of normalization layers, weight normalization's g, scaled weight
+    standardization's gain) goes into a group with ``"lars": False``: the hook neither scales
     nor decays it, as is usual for LARS (You et al. 2017, section 5). Empty groups are left out.
 
     Args:
@@ -373,10 +394,11 @@ def lars_param_groups(
     scaled: list[nn.Parameter] = []
     skipped: list[nn.Parameter] = []
     for name, param in model.named_parameters():
-        leave_alone = param.ndim < 2 if exclude is None else exclude(name, param)
+        leave_alone = _is_gain_like(param) if exclude is None else exclude(name, param)
         if not isinstance(leave_alone, bool):
+            kind = type(leave_alone)
             raise TypeError(
-                f"exclude must return a bool, got {type(leave_alone).__name__} for "
+                f"exclude must return a bool, got {kind.__module__}.{kind.__qualname__} for "
                 f"parameter {name!r}"
             )
         (skipped if leave_alone else scaled).append(param)
@@ -386,6 +408,15 @@ def lars_param_groups(
     if skipped:
         groups.append({"params": skipped, "lars": False})
     return groups
+
+
+def _is_gain_like(param: Tensor) -> bool:
+    """Biases and per-channel gains: at most one dimension longer than 1.
+
+    That covers biases, normalization layers' affine parameters, weight normalization's g
+    (shape ``[C, 1, 1, 1]``) and scaled weight standardization's gain.
+    """
+    return sum(size > 1 for size in param.shape) <= 1
 
 
 class _SingleUseClosure:
@@ -583,18 +614,25 @@ class GradientLARS:
                 "deprecated GradScaler protocol); GradientLARS cannot tell whether those "
                 "gradients are scaled. Use an optimizer without a grad_scaler parameter"
             )
+        # Everything that does not depend on the gradients is checked before the closure runs,
+        # so a bad param group leaves the model untouched.
+        settings_of = []
+        for index, group in enumerate(optimizer.param_groups):
+            settings_of.append(self._group_settings(group, index))
+            for position, param in enumerate(group["params"]):
+                _check_param(param, f"parameter {position} of param group {index}")
         closure, args, kwargs = _take_closure(args, kwargs)
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         plan = []
-        for index, group in enumerate(optimizer.param_groups):
-            settings = self._group_settings(group, index)
+        for index, (group, settings) in enumerate(
+            zip(optimizer.param_groups, settings_of, strict=True)
+        ):
             params, names = [], []
             for position, param in enumerate(group["params"]):
                 where = f"parameter {position} of param group {index}"
-                _check_param(param, where)
                 _check_grad(param, where)
                 if param.grad is not None:
                     params.append(param)
