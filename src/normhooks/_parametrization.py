@@ -91,15 +91,19 @@ class _Entry:
         )
 
     def serves(self, inputs: tuple[Tensor, ...]) -> bool:
-        return (
-            self.steps == _optimizer_steps
-            and self.inference == torch.is_inference_mode_enabled()
-            and len(inputs) == len(self.inputs)
-            and all(a is b for a, b in zip(inputs, self.inputs, strict=True))
-            and self.pointers == tuple(t.data_ptr() for t in inputs)
-            and self.versions == tuple(t._version for t in inputs)
-            and (self.result_version is None or self.result_version == self.result._version)
-        )
+        if (
+            self.steps != _optimizer_steps
+            or self.inference != torch.is_inference_mode_enabled()
+            or len(inputs) != len(self.inputs)
+            or (self.result_version is not None and self.result_version != self.result._version)
+        ):
+            return False
+        for tensor, held, pointer, version in zip(
+            inputs, self.inputs, self.pointers, self.versions, strict=True
+        ):
+            if tensor is not held or tensor.data_ptr() != pointer or tensor._version != version:
+                return False
+        return True
 
 
 class _ReuseForward(torch.autograd.Function):
@@ -161,7 +165,7 @@ class CachedParametrization(nn.Module):
         raise NotImplementedError
 
     def forward(self, *inputs: Tensor) -> Tensor:
-        tensors = inputs + tuple(p for p in self.parameters(recurse=False))
+        tensors = inputs + tuple(p for p in self._parameters.values() if p is not None)
         if torch.compiler.is_compiling() or fsdp_in_use() or any(t.is_inference() for t in tensors):
             # FSDP2 hands over the same unsharded tensor each forward, refilled without a
             # version bump, and caching it would keep a full weight that FSDP means to free.

@@ -97,10 +97,10 @@ class _WeightNormFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, g: Tensor, v: Tensor, dim: int, eps: float) -> Tensor:
+        ctx.dim, ctx.eps = dim, eps
         norm = _row_norms(v, dim)
         denominator = _safe_denominator(norm, eps)
         ctx.save_for_backward(g, v, norm, denominator)
-        ctx.dim, ctx.eps = dim, eps
         return v * (g / denominator)
 
     @staticmethod
@@ -170,10 +170,18 @@ class WeightNorm(CachedParametrization):
     def compute(self, *tensors: Tensor) -> Tensor:
         g, v = tensors
         dim = self.dim % v.ndim
-        if v.dtype in _FAST_DTYPES and type(v) in _PLAIN and not torch.compiler.is_compiling():
-            result: Tensor = _WeightNormFunction.apply(g, v, dim, self.eps)  # type: ignore[no-untyped-call]
-            return result
-        return _weight_norm(g, v, dim, self.eps)
+        if v.dtype not in _FAST_DTYPES or type(v) not in _PLAIN or torch.compiler.is_compiling():
+            return _weight_norm(g, v, dim, self.eps)
+        if dim in (0, v.ndim - 1) and v.is_contiguous() and v.device.type == "cpu":
+            # torch's fused op (forward and backward) computes g * v / ||v||, which is this
+            # function exactly where no row is zero and ||v|| + eps rounds to ||v||; on the CPU
+            # checking that costs nothing.
+            weight, norm = torch._weight_norm_interface(v, g, dim)
+            norm = norm.detach()
+            if torch.equal(_safe_denominator(norm, self.eps), norm):
+                return weight
+        result: Tensor = _WeightNormFunction.apply(g, v, dim, self.eps)  # type: ignore[no-untyped-call]
+        return result
 
     def right_inverse(self, weight: Tensor) -> tuple[Tensor, Tensor]:
         _checks.axis("dim", self.dim, weight.ndim, f"a weight of shape {list(weight.shape)}")
