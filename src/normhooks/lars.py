@@ -23,10 +23,10 @@ from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
 from normhooks import _checks
+from normhooks._parametrization import HALF_DTYPES
 
 __all__ = ["GradientLARS", "lars_", "lars_param_groups"]
 
-_HALF_DTYPES = (torch.float16, torch.bfloat16)
 
 # Sums of squares of tensors at least this large run as one BLAS dot each on the CPU, which is
 # about twice as fast there as the reduction behind ``torch._foreach_norm``; smaller tensors
@@ -92,7 +92,7 @@ def _check_grad(param: Tensor, where: str) -> None:
 def _norms(tensors: list[Tensor]) -> Tensor:
     """Euclidean norms of ``tensors`` (one device and dtype), accumulated in at least float32."""
     dtype = tensors[0].dtype
-    acc = torch.float32 if dtype in _HALF_DTYPES else dtype
+    acc = torch.float32 if dtype in HALF_DTYPES else dtype
     if tensors[0].device.type != "cpu" or acc != dtype:
         return torch.stack(torch._foreach_norm(tensors, 2, dtype=acc if acc != dtype else None))
     big = [i for i, t in enumerate(tensors) if t.numel() >= _CPU_DOT_MIN_NUMEL]
@@ -145,7 +145,7 @@ def _apply_(
     decay: float | Tensor = weight_decay
     if grad_scale is not None:
         decay = grad_scale.to(grads[0].device, torch.float32) * weight_decay
-    if grads[0].dtype in _HALF_DTYPES:
+    if grads[0].dtype in HALF_DTYPES:
         # One rounding to the low-precision dtype, as a float32 computation would give.
         for param, grad, rate in zip(params, grads, rates.unbind(0), strict=True):
             exact = grad.float()
