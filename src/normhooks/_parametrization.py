@@ -98,10 +98,11 @@ class _Entry:
             or (self.result_version is not None and self.result_version != self.result._version)
         ):
             return False
-        for tensor, held, pointer, version in zip(
-            inputs, self.inputs, self.pointers, self.versions, strict=True
+        # Lengths are equal (checked above), so a plain zip; this runs at every cached read.
+        for tensor, held, pointer, version in zip(  # noqa: B905
+            inputs, self.inputs, self.pointers, self.versions
         ):
-            if tensor is not held or tensor.data_ptr() != pointer or tensor._version != version:
+            if tensor is not held or tensor._version != version or tensor.data_ptr() != pointer:
                 return False
         return True
 
@@ -165,7 +166,19 @@ class CachedParametrization(nn.Module):
         raise NotImplementedError
 
     def forward(self, *inputs: Tensor) -> Tensor:
-        tensors = inputs + tuple(p for p in self._parameters.values() if p is not None)
+        own = self._parameters
+        tensors = inputs + tuple(p for p in own.values() if p is not None) if own else inputs
+        entry = self._entry
+        if (
+            entry is not None
+            and not torch.is_grad_enabled()
+            and not torch.compiler.is_compiling()
+            and entry.serves(tensors)
+            and not fsdp_in_use()
+        ):
+            # The common inference read, first: torch's RNNs read each weight 2-3 times per
+            # forward, and on an accelerator a layer's forward is mostly this Python.
+            return entry.result
         if torch.compiler.is_compiling() or fsdp_in_use() or any(t.is_inference() for t in tensors):
             # FSDP2 hands over the same unsharded tensor each forward, refilled without a
             # version bump, and caching it would keep a full weight that FSDP means to free.
