@@ -84,8 +84,9 @@ def standardize_weight(
         + \epsilon}}
 
     for each index :math:`c` of axis ``dim``, with statistics over all other axes and the
-    biased variance: one ``group_norm`` kernel over the reshaped weight. float16/bfloat16
-    weights are standardized in float32 and the result is rounded once.
+    biased variance: one normalization kernel over the reshaped weight (``group_norm`` on the
+    CPU, ``layer_norm`` elsewhere). float16/bfloat16 weights are standardized in float32 and
+    the result is rounded once.
 
     Args:
         weight: a tensor with at least 2 dimensions.
@@ -113,9 +114,14 @@ def standardize_weight(
     exact = rows.float() if rows.dtype in HALF_DTYPES else rows
     if exact.numel() == 0:
         return weight.clone()
-    # Each row as one sample of a one-group group norm, which is how Chainer computes it; on
-    # the CPU its kernel is several times faster than layer_norm's for rows this long.
-    standardized = torch.group_norm(exact.unsqueeze(1), 1, None, None, eps).squeeze(1)
+    if exact.device.type == "cpu":
+        # Each row as one sample of a one-group group norm, which is how Chainer computes it;
+        # on the CPU its kernel is several times faster than layer_norm's for rows this long.
+        standardized = torch.group_norm(exact.unsqueeze(1), 1, None, None, eps).squeeze(1)
+    else:
+        # On a GPU both are launch-bound for weights, and layer_norm launches fewer kernels
+        # (forward and backward of ResNet-18's weights: 3.9 ms against 5.4 ms on an H200).
+        standardized = torch.layer_norm(exact, exact.shape[1:], None, None, eps)
     if gain is not None:
         standardized = standardized * gain.to(standardized.dtype).view(-1, 1)
     return _unrows(standardized.to(weight.dtype), shape, dim, groups)
