@@ -186,6 +186,24 @@ def test_zero_grad_gives_no_nan(eps: float, weight_decay: float) -> None:
     torch.testing.assert_close(param.grad, expected.float())
 
 
+def test_batched_rate_multiply_matches_one_by_one() -> None:
+    # The accelerator path: small gradients scaled together, large ones one by one.
+    from normhooks.lars import _BATCHED_MAX_NUMEL, _mul_rates_
+
+    torch.manual_seed(0)
+    shapes = [(3, 4), (7,), (0, 5), (2, 3, 5), (_BATCHED_MAX_NUMEL + 1,), (1,), (6, 6)]
+    grads = [torch.randn(shape) for shape in shapes]
+    grads[6] = torch.randn(6, 6).t()  # a non-contiguous gradient
+    rates = torch.rand(len(grads)) + 0.5
+    expected = [grad * rate for grad, rate in zip(grads, rates, strict=True)]
+    storages = [grad.data_ptr() for grad in grads]
+    _mul_rates_(grads, rates, batched=True)
+    for grad, want, storage in zip(grads, expected, storages, strict=True):
+        torch.testing.assert_close(grad, want, rtol=0, atol=0)
+        assert grad.data_ptr() == storage  # scaled in place
+    assert not grads[6].is_contiguous()
+
+
 @pytest.mark.parametrize("bad", [math.inf, math.nan], ids=["inf", "nan"])
 def test_non_finite_grads_stay_non_finite(bad: float) -> None:
     param = param_with_grad(3, 3)

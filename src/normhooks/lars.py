@@ -16,10 +16,11 @@ import sys
 import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
+from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype
 from torch.utils.hooks import RemovableHandle
 
 from normhooks import _checks
@@ -32,6 +33,8 @@ __all__ = ["GradientLARS", "lars_", "lars_param_groups"]
 # about twice as fast there as the reduction behind ``torch._foreach_norm``; smaller tensors
 # are dispatch-bound and go through ``_foreach_norm`` in one call.
 _CPU_DOT_MIN_NUMEL = 1 << 15
+# Off the CPU, gradients up to this size are scaled together in one batched multiply.
+_BATCHED_MAX_NUMEL = 1 << 16
 
 
 def _dtensor_type() -> Any:
@@ -158,7 +161,37 @@ def _apply_(
             torch._foreach_add_(grads, torch._foreach_mul(params, decay.to(grads[0].dtype)))
         else:
             torch._foreach_add_(grads, params, alpha=decay)
-    torch._foreach_mul_(grads, list(rates.to(grads[0].dtype).unbind(0)))
+    # On an accelerator torch's multi-tensor multiply by a list of 0-d tensors launches one
+    # kernel per tensor, and small tensors are all launch cost.
+    _mul_rates_(grads, rates.to(grads[0].dtype), batched=grads[0].device.type != "cpu")
+
+
+def _mul_rates_(grads: list[Tensor], rates: Tensor, batched: bool) -> None:
+    """``grads[i] *= rates[i]`` in place, for tensors on one device with one dtype.
+
+    With ``batched``, the small tensors are concatenated, multiplied by their rates repeated
+    per element and copied back: a few kernel launches instead of one per tensor.
+    """
+    factors = rates.unbind(0)
+    if not batched:
+        torch._foreach_mul_(grads, list(factors))
+        return
+    small = [i for i, grad in enumerate(grads) if grad.numel() <= _BATCHED_MAX_NUMEL]
+    if len(small) > 1:
+        tensors = [grads[i] for i in small]
+        sizes = [grad.numel() for grad in tensors]
+        flat = torch.cat([grad.reshape(-1) for grad in tensors])
+        flat.mul_(torch.cat([factors[i].expand(n) for i, n in zip(small, sizes, strict=True)]))
+        parts = torch.split(flat, sizes)
+        torch._foreach_copy_(
+            tensors, [part.view_as(grad) for part, grad in zip(parts, tensors, strict=True)]
+        )
+        done = set(small)
+    else:
+        done = set()
+    for i, grad in enumerate(grads):
+        if i not in done:
+            grad.mul_(factors[i])
 
 
 @dataclass
@@ -203,22 +236,34 @@ def _sharding(param: Tensor, where: str) -> tuple[Any, tuple[int, ...]] | None:
     return (mesh, dims) if dims else None
 
 
-def _units(params: Sequence[Tensor], where: Sequence[str]) -> list[_Unit]:
+def _units(params: Sequence[Tensor], where: Callable[[int], str]) -> list[_Unit]:
+    if len(set(map(id, params))) != len(params):
+        seen: dict[int, int] = {}
+        for index, param in enumerate(params):
+            first = seen.setdefault(id(param), index)
+            if first != index:
+                raise ValueError(
+                    f"{where(index)} is the same tensor as {where(first)}; LARS would scale "
+                    "its gradient twice"
+                )
     dtensor = _dtensor_type()
+    if dtensor is None or not any(isinstance(param, dtensor) for param in params):
+        # The grouping every foreach optimizer of torch uses, done in C++: this runs each step.
+        grouped = _group_tensors_by_device_and_dtype(
+            [list(params), [param.grad for param in params]], with_indices=True
+        )
+        # Every gradient is present: the callers pass only parameters that have one.
+        return [
+            _Unit(indices, cast(list[Tensor], tensors), cast(list[Tensor], grads), None)
+            for (tensors, grads), indices in grouped.values()
+        ]
     units: dict[tuple[Any, ...], _Unit] = {}
-    seen: dict[int, int] = {}
     for index, param in enumerate(params):
-        first = seen.setdefault(id(param), index)
-        if first != index:
-            raise ValueError(
-                f"{where[index]} is the same tensor as {where[first]}; LARS would scale its "
-                "gradient twice"
-            )
         grad: Any = param.grad
         local: Any = param
         reduce = None
-        if dtensor is not None and isinstance(param, dtensor):
-            reduce = _sharding(param, where[index])
+        if isinstance(param, dtensor):
+            reduce = _sharding(param, where(index))
             local, grad = local.to_local(), grad.to_local()
         key = (local.device, local.dtype, None if reduce is None else (id(reduce[0]), reduce[1]))
         unit = units.get(key)
@@ -266,12 +311,12 @@ def _scale_grads_(
     settings: _Settings,
     lr: float | Tensor | None = None,
     grad_scale: Tensor | None = None,
-    where: Sequence[str] | None = None,
+    where: Callable[[int], str] | None = None,
 ) -> Tensor:
     """Applies LARS to ``params`` (all with a dense grad); returns their rates, in order."""
     if not params:
         return torch.empty(0)
-    units = _units(params, where or [f"parameters[{i}]" for i in range(len(params))])
+    units = _units(params, where or "parameters[{}]".format)
     per_unit: list[tuple[list[int], Tensor]] = []
     for unit, (w_norm, g_norm) in zip(units, _full_norms(units), strict=True):
         if grad_scale is not None:
@@ -357,7 +402,7 @@ def lars_(
             with_grad.append(param)
             names.append(where)
     with torch.no_grad():
-        return _scale_grads_(with_grad, settings, where=names)
+        return _scale_grads_(with_grad, settings, where=names.__getitem__)
 
 
 def lars_param_groups(
@@ -620,7 +665,8 @@ class GradientLARS:
         for index, group in enumerate(optimizer.param_groups):
             settings_of.append(self._group_settings(group, index))
             for position, param in enumerate(group["params"]):
-                _check_param(param, f"parameter {position} of param group {index}")
+                if not isinstance(param, Tensor) or not param.is_floating_point():
+                    _check_param(param, f"parameter {position} of param group {index}")
         closure, args, kwargs = _take_closure(args, kwargs)
         loss = None
         if closure is not None:
@@ -630,14 +676,15 @@ class GradientLARS:
         for index, (group, settings) in enumerate(
             zip(optimizer.param_groups, settings_of, strict=True)
         ):
-            params, names = [], []
+            params, positions = [], []
             for position, param in enumerate(group["params"]):
-                where = f"parameter {position} of param group {index}"
-                _check_grad(param, where)
-                if param.grad is not None:
+                grad = param.grad
+                if grad is not None:
+                    if grad.layout != torch.strided:
+                        _check_grad(param, f"parameter {position} of param group {index}")
                     params.append(param)
-                    names.append(where)
-            plan.append((settings, params, names, group.get("lr")))
+                    positions.append(position)
+            plan.append((settings, params, _namer(index, positions), group.get("lr")))
         grad_scale = getattr(optimizer, "grad_scale", None)
         rates = []
         with torch.no_grad():
@@ -651,6 +698,11 @@ class GradientLARS:
             return None
         kwargs["closure"] = _SingleUseClosure(loss, optimizer)
         return args, kwargs
+
+
+def _namer(group_index: int, positions: list[int]) -> Callable[[int], str]:
+    """Names the i-th parameter with a gradient by its place in the optimizer, on demand."""
+    return lambda i: f"parameter {positions[i]} of param group {group_index}"
 
 
 def _take_closure(
