@@ -17,6 +17,7 @@ from normhooks import (
     apply_weight_standardization,
     data_dependent_init,
     lars_param_groups,
+    standardize_weight,
     weight_norm,
 )
 
@@ -107,7 +108,8 @@ def test_cudnn_rnn_with_weight_norm(rnn_type: type[nn.RNNBase]) -> None:
     x = torch.randn(5, 3, 8)
     optimizer = torch.optim.SGD(gpu.parameters(), lr=0.1)
     cpu_optimizer = torch.optim.SGD(cpu.parameters(), lr=0.1)
-    with warnings.catch_warnings():
+    # cuDNN's RNNs use TF32 by default, which differs from the CPU's float32 by about 1e-3.
+    with warnings.catch_warnings(), torch.backends.cudnn.flags(enabled=True, allow_tf32=False):
         warnings.simplefilter("error")
         for _ in range(3):
             for model, opt, data in ((gpu, optimizer, x.cuda()), (cpu, cpu_optimizer, x)):
@@ -120,6 +122,47 @@ def test_cudnn_rnn_with_weight_norm(rnn_type: type[nn.RNNBase]) -> None:
         with torch.no_grad():
             torch.testing.assert_close(gpu(x.cuda())[0].cpu(), cpu(x)[0], rtol=1e-4, atol=1e-5)
             torch.testing.assert_close(gpu(x.cuda())[0].cpu(), cpu(x)[0], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("shape", "dim", "groups"),
+    [((8, 3, 3, 3), 0, 1), ((4, 6, 3), 1, 1), ((6, 2, 3, 3), 1, 3), ((5, 7), 0, 1)],
+    ids=["conv", "transposed", "grouped-transposed", "linear"],
+)
+def test_standardization_on_gpu_matches_cpu_in_float64(
+    shape: tuple[int, ...], dim: int, groups: int
+) -> None:
+    weight = torch.randn(shape, dtype=torch.float64)
+    weight[0] = 1.5  # a constant slice
+    gain = torch.rand(shape[dim] * groups, dtype=torch.float64) + 0.5
+    upstream = torch.randn(shape, dtype=torch.float64)
+    results = []
+    for device in ("cpu", "cuda"):
+        w = weight.to(device).requires_grad_()
+        g = gain.to(device).requires_grad_()
+        out = standardize_weight(w, dim, groups=groups, gain=g)
+        out.backward(upstream.to(device))
+        assert w.grad is not None
+        assert g.grad is not None
+        results.append((out.detach().cpu(), w.grad.cpu(), g.grad.cpu()))
+    for on_gpu, on_cpu in zip(results[1], results[0], strict=True):
+        torch.testing.assert_close(on_gpu, on_cpu, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("eps", [1e-12, 0.5, 0.0], ids=["default", "big-eps", "no-eps"])
+def test_weight_norm_on_gpu_matches_cpu_in_float64(eps: float) -> None:
+    torch.manual_seed(0)
+    cpu = weight_norm(nn.Embedding(6, 4, padding_idx=2, dtype=torch.float64), eps=eps)
+    gpu = copy.deepcopy(cpu).cuda()
+    index = torch.tensor([[0, 2, 5], [2, 1, 3]])
+    for model, data in ((cpu, index), (gpu, index.cuda())):
+        model(data).square().sum().backward()
+    assert not gpu.weight.isnan().any()
+    torch.testing.assert_close(gpu.weight.cpu(), cpu.weight, rtol=1e-12, atol=1e-12)
+    for on_cpu, on_gpu in zip(cpu.parameters(), gpu.parameters(), strict=True):
+        assert on_cpu.grad is not None
+        assert on_gpu.grad is not None
+        torch.testing.assert_close(on_gpu.grad.cpu(), on_cpu.grad, rtol=1e-12, atol=1e-12)
 
 
 def test_inductor_compiled_step_matches_eager() -> None:
