@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from torch import Tensor, nn
+from torch.nn.utils import parametrize
 
 
 class BasicBlock(nn.Module):
@@ -54,3 +55,20 @@ class ResNet18(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         return self.head(self.blocks(self.stem(x)))
+
+
+class _Unchanged(nn.Module):
+    """A parametrization that returns its input: what torch's parametrize costs by itself."""
+
+    def forward(self, weight: Tensor) -> Tensor:
+        return weight
+
+
+def with_empty_parametrizations(model: nn.Module, min_ndim: int = 2) -> nn.Module:
+    """Registers a do-nothing parametrization on every parameter with ``min_ndim`` or more
+    dimensions: the floor that any parametrization-based reparametrization starts from."""
+    for module in list(model.modules()):
+        for name, param in list(module.named_parameters(recurse=False)):
+            if param.ndim >= min_ndim:
+                parametrize.register_parametrization(module, name, _Unchanged())
+    return model

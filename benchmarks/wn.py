@@ -2,7 +2,8 @@
 
 Train step (forward + backward + SGD) and eval forward (eval mode, no_grad), for: the plain
 model; normhooks' weight_norm; and torch's torch.nn.utils.parametrizations.weight_norm on the
-same weights. Prints each as a ratio to the plain model.
+same weights; and, as the floor any parametrization starts from, a parametrization that
+returns its input unchanged on the same weights. Prints each as a ratio to the plain model.
 
     python benchmarks/wn.py [--device cuda] [--repeats 10]
 """
@@ -16,7 +17,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn.utils.parametrizations import weight_norm as torch_weight_norm
 
-from _models import ResNet18
+from _models import ResNet18, with_empty_parametrizations
 from _timing import compare_models
 from normhooks import weight_norm
 
@@ -47,6 +48,7 @@ def compare(
         "plain": plain,
         "normhooks weight_norm": weight_norm(copy.deepcopy(plain)),
         "torch weight_norm": with_torch_weight_norm(copy.deepcopy(plain)),
+        "empty parametrization (floor)": with_empty_parametrizations(copy.deepcopy(plain)),
     }
     compare_models(title, models, x, target, device, repeats)
 

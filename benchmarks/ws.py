@@ -3,7 +3,8 @@
 Train step (forward + backward + SGD) and eval forward (eval mode, no_grad), batch 32 at
 64x64, for: the plain model; normhooks' apply_weight_standardization; and a reference that
 standardizes the way timm's StdConv2d does (one F.batch_norm call on the reshaped weight,
-written here). Prints each as a ratio to the plain model.
+written here); and, as the floor any parametrization starts from, a parametrization that
+returns the weight unchanged on the same layers. Prints each as a ratio to the plain model.
 
     python benchmarks/ws.py [--device cuda] [--repeats 5]
 """
@@ -17,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from _models import ResNet18
+from _models import ResNet18, with_empty_parametrizations
 from _timing import compare_models
 from normhooks import apply_weight_standardization
 
@@ -50,6 +51,7 @@ def main() -> None:
         "plain": plain,
         "normhooks WS": apply_weight_standardization(copy.deepcopy(plain)),
         "batch_norm-trick WS": ResNet18(conv=BatchNormStdConv2d).to(device),
+        "empty parametrization (floor)": with_empty_parametrizations(copy.deepcopy(plain)),
     }
     x = torch.randn(args.batch, 3, 64, 64, device=device)
     target = torch.randint(0, 100, (args.batch,), device=device)
