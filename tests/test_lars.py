@@ -186,24 +186,6 @@ def test_zero_grad_gives_no_nan(eps: float, weight_decay: float) -> None:
     torch.testing.assert_close(param.grad, expected.float())
 
 
-def test_batched_rate_multiply_matches_one_by_one() -> None:
-    # The accelerator path: small gradients scaled together, large ones one by one.
-    from normhooks.lars import _BATCHED_MAX_NUMEL, _mul_rates_
-
-    torch.manual_seed(0)
-    shapes = [(3, 4), (7,), (0, 5), (2, 3, 5), (_BATCHED_MAX_NUMEL + 1,), (1,), (6, 6)]
-    grads = [torch.randn(shape) for shape in shapes]
-    grads[6] = torch.randn(6, 6).t()  # a non-contiguous gradient
-    rates = torch.rand(len(grads)) + 0.5
-    expected = [grad * rate for grad, rate in zip(grads, rates, strict=True)]
-    storages = [grad.data_ptr() for grad in grads]
-    _mul_rates_(grads, rates, batched=True)
-    for grad, want, storage in zip(grads, expected, storages, strict=True):
-        torch.testing.assert_close(grad, want, rtol=0, atol=0)
-        assert grad.data_ptr() == storage  # scaled in place
-    assert not grads[6].is_contiguous()
-
-
 @pytest.mark.parametrize("bad", [math.inf, math.nan], ids=["inf", "nan"])
 def test_non_finite_grads_stay_non_finite(bad: float) -> None:
     param = param_with_grad(3, 3)
@@ -704,6 +686,18 @@ def test_duplicate_tensor_refused() -> None:
     with pytest.raises(ValueError, match=r"parameters\[1\] is the same tensor as parameters\[0\]"):
         lars_([param, param])
     torch.testing.assert_close(param.grad, before, rtol=0, atol=0)
+
+
+def test_duplicate_tensor_named_by_its_place_in_the_optimizer() -> None:
+    unused, param = nn.Parameter(torch.ones(2)), param_with_grad(3, 3)
+    with pytest.warns(UserWarning, match="duplicate parameters"):
+        optimizer = torch.optim.SGD([unused, param, param], lr=0.1)
+    GradientLARS().attach(optimizer)
+    with pytest.raises(
+        ValueError,
+        match=r"parameter 2 of param group 0 is the same tensor as parameter 1 of param group 0",
+    ):
+        optimizer.step()
 
 
 def test_bad_group_refused_before_the_closure_runs() -> None:

@@ -33,8 +33,6 @@ __all__ = ["GradientLARS", "lars_", "lars_param_groups"]
 # about twice as fast there as the reduction behind ``torch._foreach_norm``; smaller tensors
 # are dispatch-bound and go through ``_foreach_norm`` in one call.
 _CPU_DOT_MIN_NUMEL = 1 << 15
-# Off the CPU, gradients up to this size are scaled together in one batched multiply.
-_BATCHED_MAX_NUMEL = 1 << 16
 
 
 def _dtensor_type() -> Any:
@@ -161,37 +159,7 @@ def _apply_(
             torch._foreach_add_(grads, torch._foreach_mul(params, decay.to(grads[0].dtype)))
         else:
             torch._foreach_add_(grads, params, alpha=decay)
-    # On an accelerator torch's multi-tensor multiply by a list of 0-d tensors launches one
-    # kernel per tensor, and small tensors are all launch cost.
-    _mul_rates_(grads, rates.to(grads[0].dtype), batched=grads[0].device.type != "cpu")
-
-
-def _mul_rates_(grads: list[Tensor], rates: Tensor, batched: bool) -> None:
-    """``grads[i] *= rates[i]`` in place, for tensors on one device with one dtype.
-
-    With ``batched``, the small tensors are concatenated, multiplied by their rates repeated
-    per element and copied back: a few kernel launches instead of one per tensor.
-    """
-    factors = rates.unbind(0)
-    if not batched:
-        torch._foreach_mul_(grads, list(factors))
-        return
-    small = [i for i, grad in enumerate(grads) if grad.numel() <= _BATCHED_MAX_NUMEL]
-    if len(small) > 1:
-        tensors = [grads[i] for i in small]
-        sizes = [grad.numel() for grad in tensors]
-        flat = torch.cat([grad.reshape(-1) for grad in tensors])
-        flat.mul_(torch.cat([factors[i].expand(n) for i, n in zip(small, sizes, strict=True)]))
-        parts = torch.split(flat, sizes)
-        torch._foreach_copy_(
-            tensors, [part.view_as(grad) for part, grad in zip(parts, tensors, strict=True)]
-        )
-        done = set(small)
-    else:
-        done = set()
-    for i, grad in enumerate(grads):
-        if i not in done:
-            grad.mul_(factors[i])
+    torch._foreach_mul_(grads, list(rates.to(grads[0].dtype).unbind(0)))
 
 
 @dataclass
