@@ -138,8 +138,8 @@ def test_standardization_on_gpu_matches_cpu_in_float64(
     upstream = torch.randn(shape, dtype=torch.float64)
     results = []
     for device in ("cpu", "cuda"):
-        w = weight.to(device).requires_grad_()
-        g = gain.to(device).requires_grad_()
+        w = weight.to(device, copy=True).requires_grad_()
+        g = gain.to(device, copy=True).requires_grad_()
         out = standardize_weight(w, dim, groups=groups, gain=g)
         out.backward(upstream.to(device))
         assert w.grad is not None
