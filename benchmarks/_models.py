@@ -64,11 +64,23 @@ class _Unchanged(nn.Module):
         return weight
 
 
-def with_empty_parametrizations(model: nn.Module, min_ndim: int = 2) -> nn.Module:
-    """Registers a do-nothing parametrization on every parameter with ``min_ndim`` or more
-    dimensions: the floor that any parametrization-based reparametrization starts from."""
+class _TimesOne(nn.Module):
+    """A parametrization that multiplies by 1: one pass over the weight forward and one
+    backward, less than any reparametrization that computes a new weight can move."""
+
+    def forward(self, weight: Tensor) -> Tensor:
+        return weight * 1.0
+
+
+def with_empty_parametrizations(
+    model: nn.Module, min_ndim: int = 2, *, times_one: bool = False
+) -> nn.Module:
+    """Registers a do-nothing parametrization (or, with ``times_one``, a multiply by 1) on
+    every parameter with ``min_ndim`` or more dimensions: the floors that any
+    parametrization-based reparametrization starts from."""
     for module in list(model.modules()):
         for name, param in list(module.named_parameters(recurse=False)):
             if param.ndim >= min_ndim:
-                parametrize.register_parametrization(module, name, _Unchanged())
+                floor = _TimesOne() if times_one else _Unchanged()
+                parametrize.register_parametrization(module, name, floor)
     return model
