@@ -150,6 +150,14 @@ def test_returns_rates_in_parameter_order_across_dtypes() -> None:
     )
 
 
+def test_rates_stay_on_the_first_parameters_device() -> None:
+    # meta stands in for an accelerator: a CPU parameter beside it must not pull the rates to
+    # the host (reading meta rates back would fail, as reading GPU rates would synchronize).
+    params = [nn.Parameter(torch.ones(3, 3, device="meta")), param_with_grad(2, 2)]
+    params[0].grad = torch.ones(3, 3, device="meta")
+    assert lars_(params).device.type == "meta"
+
+
 def test_single_tensor_and_generator_inputs() -> None:
     param = param_with_grad(3, 2)
     expected, rate = reference(param, param.grad)

@@ -220,11 +220,16 @@ def _units(params: Sequence[Tensor], where: Callable[[int], str]) -> list[_Unit]
         grouped = _group_tensors_by_device_and_dtype(
             [list(params), [param.grad for param in params]], with_indices=True
         )
-        # Every gradient is present: the callers pass only parameters that have one.
-        return [
-            _Unit(indices, cast(list[Tensor], tensors), cast(list[Tensor], grads), None)
-            for (tensors, grads), indices in grouped.values()
-        ]
+        # Every gradient is present: the callers pass only parameters that have one. The
+        # groups come back in hash order; sorted by first index, the first unit (whose device
+        # the rates are returned on) holds the first parameter, as in the loop below.
+        return sorted(
+            (
+                _Unit(indices, cast(list[Tensor], tensors), cast(list[Tensor], grads), None)
+                for (tensors, grads), indices in grouped.values()
+            ),
+            key=lambda unit: unit.indices[0],
+        )
     units: dict[tuple[Any, ...], _Unit] = {}
     for index, param in enumerate(params):
         grad: Any = param.grad
