@@ -9,6 +9,8 @@ from collections.abc import Callable
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 from torch.nn.utils import parametrize
 
@@ -741,3 +743,31 @@ def test_convert_with_weight_normalization_errors() -> None:
         convert_with_weight_normalization(3)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match=r"module_cls must build a torch\.nn\.Module, got list"):
         convert_with_weight_normalization(list)  # type: ignore[arg-type]
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    smallest=st.floats(1e-30, 1e6),
+    factors=st.lists(st.floats(1.0, 1e6), min_size=1, max_size=8),
+    eps=st.sampled_from([0.0, 1e-12, 1e-8, 1e-5, 0.5]),
+    dtype=st.sampled_from([torch.float32, torch.float64]),
+)
+def test_fast_path_check_implies_eps_rounds_away(
+    smallest: float, factors: list[float], eps: float, dtype: torch.dtype
+) -> None:
+    # The CPU fast path runs torch's fused op (no eps) only where this check passes.
+    from normhooks.normalization import _eps_vanishes
+
+    norms = torch.tensor([smallest] + [smallest * f for f in factors], dtype=dtype)
+    smallest_stored = norms.min().item()
+    if _eps_vanishes(smallest_stored, eps, dtype):
+        assert torch.equal(norms + eps, norms)
+        assert bool((norms > 0).all())
+
+
+@pytest.mark.parametrize("value", [0.0, float("nan"), -1.0])
+def test_fast_path_check_refuses_zero_and_nan_norms(value: float) -> None:
+    from normhooks.normalization import _eps_vanishes
+
+    assert not _eps_vanishes(value, 0.0, torch.float32)
+    assert not _eps_vanishes(value, 1e-12, torch.float64)

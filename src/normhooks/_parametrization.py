@@ -168,35 +168,34 @@ class CachedParametrization(nn.Module):
     def forward(self, *inputs: Tensor) -> Tensor:
         own = self._parameters
         tensors = inputs + tuple(p for p in own.values() if p is not None) if own else inputs
+        if torch.compiler.is_compiling():
+            return self.compute(*tensors)
+        grad_enabled = torch.is_grad_enabled()
+        if grad_enabled and self.training and any(t.requires_grad for t in tensors):
+            # Training: a fresh result at every forward, and nothing kept.
+            self._entry = None
+            return self.compute(*tensors)
         entry = self._entry
-        if (
-            entry is not None
-            and not torch.is_grad_enabled()
-            and not torch.compiler.is_compiling()
-            and entry.serves(tensors)
-            and not fsdp_in_use()
-        ):
-            # The common inference read, first: torch's RNNs read each weight 2-3 times per
-            # forward, and on an accelerator a layer's forward is mostly this Python.
+        if entry is not None and not grad_enabled and entry.serves(tensors) and not fsdp_in_use():
+            # The common inference read: torch's RNNs read each weight 2-3 times per forward,
+            # and on an accelerator a layer's forward is mostly this Python.
             return entry.result
-        if torch.compiler.is_compiling() or fsdp_in_use() or any(t.is_inference() for t in tensors):
+        if fsdp_in_use() or any(t.is_inference() for t in tensors):
             # FSDP2 hands over the same unsharded tensor each forward, refilled without a
             # version bump, and caching it would keep a full weight that FSDP means to free.
             return self.compute(*tensors)
-        needs_graph = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
-        if needs_graph and self.training:
-            self.clear_cache()
-            return self.compute(*tensors)
-        if self._entry is None or not self._entry.serves(tensors):
+        if entry is None or not entry.serves(tensors):
             self._entry = None
             with torch.no_grad():
-                self._entry = _Entry.of(self.compute(*tensors), tensors)
-        if needs_graph:
+                entry = self._entry = _Entry.of(self.compute(*tensors), tensors)
+        if grad_enabled and any(t.requires_grad for t in tensors):
+            # Eval mode with autograd recording: the cached value, with the gradients of a
+            # fresh computation.
             result: Tensor = _ReuseForward.apply(  # type: ignore[no-untyped-call]
-                self.compute, self._entry.result, *tensors
+                self.compute, entry.result, *tensors
             )
             return result
-        return self._entry.result
+        return entry.result
 
     def clear_cache(self) -> None:
         self._entry = None

@@ -10,6 +10,7 @@ original left as a TODO.
 from __future__ import annotations
 
 import functools
+import math
 import sys
 import warnings
 from collections.abc import Callable, Iterator, Mapping
@@ -81,6 +82,21 @@ def _weight_norm(g: Tensor, v: Tensor, dim: int, eps: float) -> Tensor:
 
 
 _FAST_DTYPES = (torch.float32, torch.float64)
+# Mantissa bits of each: a positive x has ulp(x) / 2 >= x * 2**-(bits + 2).
+_MANTISSA_BITS = {torch.float32: 23, torch.float64: 52}
+
+
+def _eps_vanishes(smallest_norm: float, eps: float, dtype: torch.dtype) -> bool:
+    """Whether ``n + eps`` rounds to ``n`` > 0 in ``dtype`` for every ``n >= smallest_norm``.
+
+    Sufficient, not necessary: ``eps`` below a quarter of the smallest norm's unit in the last
+    place leaves every larger norm unchanged too, without a tie to round.
+    """
+    if not smallest_norm > 0:  # also False for NaN
+        return False
+    return eps < math.ldexp(smallest_norm, -(_MANTISSA_BITS[dtype] + 2))
+
+
 _PLAIN = (Tensor, nn.Parameter)
 
 
@@ -171,7 +187,7 @@ class WeightNorm(CachedParametrization):
         g, v = tensors
         dim = self.dim % v.ndim
         if (
-            v.device.type != "cpu"
+            not v.is_cpu
             or v.dtype not in _FAST_DTYPES
             or type(v) not in _PLAIN
             or torch.compiler.is_compiling()
@@ -185,8 +201,7 @@ class WeightNorm(CachedParametrization):
             # function exactly where no row is zero and ||v|| + eps rounds to ||v||; on the CPU
             # checking that costs nothing.
             weight, norm = torch._weight_norm_interface(v, g, dim)
-            norm = norm.detach()
-            if torch.equal(_safe_denominator(norm, self.eps), norm):
+            if _eps_vanishes(norm.min().item(), self.eps, v.dtype):
                 return weight
         result: Tensor = _WeightNormFunction.apply(g, v, dim, self.eps)  # type: ignore[no-untyped-call]
         return result
