@@ -1,9 +1,10 @@
 """Weight normalization's cost on a ResNet-18 and a 2-layer LSTM, side by side.
 
 Train step (forward + backward + SGD) and eval forward (eval mode, no_grad), for: the plain
-model; normhooks' weight_norm; and torch's torch.nn.utils.parametrizations.weight_norm on the
-same weights; and, as the floor any parametrization starts from, a parametrization that
-returns its input unchanged on the same weights. Prints each as a ratio to the plain model.
+model and a second copy of it (the run's noise); normhooks' weight_norm; torch's
+torch.nn.utils.parametrizations.weight_norm on the same weights; and, as the floor any
+parametrization starts from, a parametrization that returns its input unchanged on the same
+weights. Prints each as a ratio to the plain model.
 
     python benchmarks/wn.py [--device cuda] [--repeats 10]
 """
@@ -46,6 +47,7 @@ def compare(
 ) -> None:
     models = {
         "plain": plain,
+        "plain, a second copy (noise)": copy.deepcopy(plain),
         "normhooks weight_norm": weight_norm(copy.deepcopy(plain)),
         "torch weight_norm": with_torch_weight_norm(copy.deepcopy(plain)),
         "empty parametrization (floor)": with_empty_parametrizations(copy.deepcopy(plain)),

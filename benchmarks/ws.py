@@ -1,12 +1,12 @@
 """Weight standardization's cost on a ResNet-18 with GroupNorm, side by side.
 
 Train step (forward + backward + SGD) and eval forward (eval mode, no_grad), batch 32 at
-64x64, for: the plain model; normhooks' apply_weight_standardization; and a reference that
-standardizes the way timm's StdConv2d does (one F.batch_norm call on the reshaped weight,
-written here); and two floors on the same layers: a parametrization that returns the weight
-unchanged (what torch's parametrize costs) and one that multiplies it by 1 (one pass over the
-weights forward and one backward, less than any standardization can move). Prints each as a
-ratio to the plain model.
+64x64, for: the plain model and a second copy of it (the run's noise); normhooks'
+apply_weight_standardization; a reference that standardizes the way timm's StdConv2d does
+(one F.batch_norm call on the reshaped weight, written here); and two floors on the same
+layers: a parametrization that returns the weight unchanged (what torch's parametrize costs)
+and one that multiplies it by 1 (one pass over the weights forward and one backward, less
+than any standardization can move). Prints each as a ratio to the plain model.
 
     python benchmarks/ws.py [--device cuda] [--repeats 5]
 """
@@ -51,6 +51,7 @@ def main() -> None:
     plain = ResNet18().to(device)
     models = {
         "plain": plain,
+        "plain, a second copy (noise)": copy.deepcopy(plain),
         "normhooks WS": apply_weight_standardization(copy.deepcopy(plain)),
         "batch_norm-trick WS": ResNet18(conv=BatchNormStdConv2d).to(device),
         "empty parametrization (floor)": with_empty_parametrizations(copy.deepcopy(plain)),
