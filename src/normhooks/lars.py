@@ -16,11 +16,10 @@ import sys
 import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import Any, cast
+from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype
 from torch.utils.hooks import RemovableHandle
 
 from normhooks import _checks
@@ -215,27 +214,12 @@ def _units(params: Sequence[Tensor], where: Callable[[int], str]) -> list[_Unit]
                     "its gradient twice"
                 )
     dtensor = _dtensor_type()
-    if dtensor is None or not any(isinstance(param, dtensor) for param in params):
-        # The grouping every foreach optimizer of torch uses, done in C++: this runs each step.
-        grouped = _group_tensors_by_device_and_dtype(
-            [list(params), [param.grad for param in params]], with_indices=True
-        )
-        # Every gradient is present: the callers pass only parameters that have one. The
-        # groups come back in hash order; sorted by first index, the first unit (whose device
-        # the rates are returned on) holds the first parameter, as in the loop below.
-        return sorted(
-            (
-                _Unit(indices, cast(list[Tensor], tensors), cast(list[Tensor], grads), None)
-                for (tensors, grads), indices in grouped.values()
-            ),
-            key=lambda unit: unit.indices[0],
-        )
     units: dict[tuple[Any, ...], _Unit] = {}
     for index, param in enumerate(params):
         grad: Any = param.grad
         local: Any = param
         reduce = None
-        if isinstance(param, dtensor):
+        if dtensor is not None and isinstance(param, dtensor):
             reduce = _sharding(param, where(index))
             local, grad = local.to_local(), grad.to_local()
         key = (local.device, local.dtype, None if reduce is None else (id(reduce[0]), reduce[1]))
