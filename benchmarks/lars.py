@@ -17,7 +17,7 @@ import torch
 from _timing import print_ratios, time_side_by_side
 from normhooks import GradientLARS
 
-SHAPES = Path(__file__).resolve().parents[2] / "shared" / "bench"
+SHAPES = Path(__file__).resolve().parent / "shapes"
 SETS = {
     "ResNet-50": "resnet50_shapes.json",
     "ViT-B/16": "vitb16_shapes.json",

@@ -13,25 +13,18 @@ import pytest
 import torch
 from torch import nn
 
-GOLDEN = Path(__file__).resolve().parents[1].parent / "shared" / "golden" / "chainer"
+GOLDEN = Path(__file__).resolve().parent / "golden" / "chainer"
 
 
 def golden_cases(kind: str) -> list[Any]:
     """The manifest's cases of one kind, as pytest params with readable ids.
 
-    Collected at import time so that ids show in the test names; when the folder is missing
-    each test is skipped with the reason, instead of silently collecting nothing.
+    The vectors are part of the repository, so a missing manifest is an error, never a skip.
     """
-    manifest = GOLDEN / "manifest.json"
-    if not manifest.exists():
-        return [
-            pytest.param(
-                None,
-                id=f"{kind}-missing",
-                marks=pytest.mark.skip(reason=f"Chainer reference vectors not found at {GOLDEN}"),
-            )
-        ]
-    cases = [c for c in json.loads(manifest.read_text())["cases"] if c["kind"] == kind]
+    manifest = json.loads((GOLDEN / "manifest.json").read_text())
+    cases = [c for c in manifest["cases"] if c["kind"] == kind]
+    if not cases:
+        raise LookupError(f"no Chainer reference case of kind {kind!r} in {GOLDEN}")
     return [pytest.param(case, id=case["name"]) for case in cases]
 
 
