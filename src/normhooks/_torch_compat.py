@@ -1,0 +1,86 @@
+"""Every use of a private or undocumented torch API, in one place.
+
+Each entry names the torch versions it was checked on. The suite runs on torch 2.13 (CPU)
+and 2.11 (CUDA); when torch changes one of these, this is the only file to change.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.utils.hooks import RemovableHandle
+
+# torch.nn.modules.conv's base classes (2.11, 2.13): every Conv*/LazyConv* and every
+# ConvTranspose*/LazyConvTranspose* layer derives from them.
+ConvNd: type[nn.Module] = nn.modules.conv._ConvNd
+ConvTransposeNd: type[nn.Module] = nn.modules.conv._ConvTransposeNd
+
+
+def foreach_norm(tensors: list[Tensor], dtype: torch.dtype | None = None) -> list[Tensor]:
+    """Euclidean norms of ``tensors`` in one multi-tensor call (2.11, 2.13)."""
+    return list(torch._foreach_norm(tensors, 2, dtype=dtype))
+
+
+def foreach_add_(tensors: list[Tensor], others: list[Tensor], alpha: float = 1.0) -> None:
+    """``t += alpha * o`` for every pair (2.11, 2.13)."""
+    torch._foreach_add_(tensors, others, alpha=alpha)
+
+
+def foreach_mul(tensors: list[Tensor], scalar: Tensor | float) -> list[Tensor]:
+    """``t * scalar`` for every tensor, out of place (2.11, 2.13)."""
+    return list(torch._foreach_mul(tensors, scalar))
+
+
+def foreach_mul_(tensors: list[Tensor], factors: list[Tensor] | Tensor | float) -> None:
+    """``t *= f`` for every tensor, with one factor each or one for all (2.11, 2.13)."""
+    torch._foreach_mul_(tensors, factors)
+
+
+def foreach_copy_(tensors: list[Tensor], sources: list[Tensor]) -> None:
+    """``t.copy_(s)`` for every pair (2.11, 2.13)."""
+    torch._foreach_copy_(tensors, sources)
+
+
+def weight_norm_interface(v: Tensor, g: Tensor, dim: int) -> tuple[Tensor, Tensor]:
+    """torch's fused ``g * v / ||v||`` and the norms it divided by (2.11, 2.13)."""
+    weight, norm = torch._weight_norm_interface(v, g, dim)
+    return weight, norm
+
+
+def weight_norm_interface_backward(
+    grad_w: Tensor, v: Tensor, g: Tensor, norm: Tensor, dim: int
+) -> tuple[Tensor, Tensor]:
+    """The fused backward of :func:`weight_norm_interface`: ``(grad_v, grad_g)`` (2.11, 2.13)."""
+    grad_v, grad_g = torch.ops.aten._weight_norm_interface_backward(grad_w, v, g, norm, dim)
+    return grad_v, grad_g
+
+
+def is_handle_registered(handle: RemovableHandle) -> bool:
+    """Whether a hook handle's hook is still registered (``hooks_dict_ref``: 2.11, 2.13)."""
+    hooks = handle.hooks_dict_ref()
+    return hooks is not None and handle.id in hooks
+
+
+def grad_scale(optimizer: torch.optim.Optimizer) -> Tensor | None:
+    """The scale a GradScaler left on a fused optimizer's gradients, or None (2.11, 2.13).
+
+    ``GradScaler.step`` sets ``optimizer.grad_scale`` (and ``found_inf``) for optimizers with
+    ``_step_supports_amp_scaling``, whose step unscales the gradients itself.
+    """
+    scale = getattr(optimizer, "grad_scale", None)
+    return scale if isinstance(scale, Tensor) else None
+
+
+def found_inf(optimizer: torch.optim.Optimizer) -> Tensor | None:
+    """The ``found_inf`` flag GradScaler hands a fused optimizer next to ``grad_scale``."""
+    flag = getattr(optimizer, "found_inf", None)
+    return flag if isinstance(flag, Tensor) else None
+
+
+def dtensor_type() -> Any:
+    """torch's DTensor class, or None while nothing has imported it (so nothing is one)."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return None if module is None else module.DTensor
