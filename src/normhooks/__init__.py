@@ -1,14 +1,14 @@
 """normhooks: GradientLARS, weight standardization and weight normalization for PyTorch."""
 
 from normhooks.lars import GradientLARS, lars_, lars_param_groups
-from normhooks.normalization import (
+from normhooks.weight_norm import (
     WeightNorm,
     convert_with_weight_normalization,
     data_dependent_init,
     remove_weight_norm,
     weight_norm,
 )
-from normhooks.standardization import (
+from normhooks.weight_standardization import (
     ScaledWeightStandardization,
     WeightStandardization,
     apply_weight_standardization,

@@ -58,3 +58,9 @@ def positive_int(name: str, value: object) -> int:
     if value < 1:
         raise ValueError(f"{name} must be positive, got {name}={value!r}")
     return value
+
+
+def integer(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {name}={value!r}")
+    return value

@@ -23,7 +23,7 @@ from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
 from normhooks import _checks
-from normhooks._parametrization import HALF_DTYPES
+from normhooks._precision import HALF_DTYPES
 
 __all__ = ["GradientLARS", "lars_", "lars_param_groups"]
 

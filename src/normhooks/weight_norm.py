@@ -21,23 +21,22 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.nn.utils import parametrize
 
-from normhooks import _checks
-from normhooks._parametrization import (
-    HALF_DTYPES,
-    CachedParametrization,
-    cancel_deferred,
+from normhooks import _checks, _parametrize, _torch_compat
+from normhooks._parametrize import (
+    cancel_pending,
     checked_tensor,
-    defer_until_materialized,
-    deferred,
     describe,
+    is_internal,
     is_uninitialized,
     layer_name,
     original,
     output_axis,
     parametrizations_of,
     parametrized_names,
+    pending,
     refuse_wrapped,
 )
+from normhooks._precision import HALF_DTYPES
 
 __all__ = [
     "WeightNorm",
@@ -136,7 +135,7 @@ class _WeightNormFunction(torch.autograd.Function):
         if ctx.dim in (0, v.ndim - 1) and v.is_contiguous():
             # torch's fused kernel for g * v / ||v||, given d for ||v||: grad_g = p / d is
             # exact, and its grad_v has p / d^3 where the exact term is p / (d^2 ||v||).
-            grad_v, grad_g = torch.ops.aten._weight_norm_interface_backward(
+            grad_v, grad_g = _torch_compat.weight_norm_interface_backward(
                 grad_w.contiguous(), v, g, denominator, ctx.dim
             )
             # Where ||v|| + eps rounds to ||v||, the function computed is g * v / ||v|| and the
@@ -153,15 +152,16 @@ class _WeightNormFunction(torch.autograd.Function):
         return dot / denominator, grad_v, None, None
 
 
-class WeightNorm(CachedParametrization):
+class WeightNorm(nn.Module):
     r"""Parametrization ``(g, v) -> W = g * v / (||v|| + eps)``, norms over all axes but ``dim``.
 
     Its ``right_inverse`` is the original converter's decomposition of a weight :math:`W`:
     :math:`g = \|W\| + \epsilon` and :math:`v = W / (\|W\| + \epsilon)` (unit rows), so a
     module's output is unchanged by the conversion. The originals are stored where
     ``torch.nn.utils.parametrizations.weight_norm`` stores them: ``original0`` is g (shape
-    with 1s except at ``dim``), ``original1`` is v. In eval mode or under ``torch.no_grad()``
-    the weight is computed once and reused until g or v changes.
+    with 1s except at ``dim``), ``original1`` is v. Like every parametrization, the weight is
+    recomputed at each access; inside ``torch.nn.utils.parametrize.cached()`` it is computed
+    once per scope.
 
     Args:
         dim: the output axis: one norm per index of it.
@@ -183,8 +183,7 @@ class WeightNorm(CachedParametrization):
         self.dim = dim
         self.eps = _checks.non_negative("eps", eps)
 
-    def compute(self, *tensors: Tensor) -> Tensor:
-        g, v = tensors
+    def forward(self, g: Tensor, v: Tensor) -> Tensor:
         dim = self.dim % v.ndim
         if (
             not v.is_cpu
@@ -200,7 +199,7 @@ class WeightNorm(CachedParametrization):
             # torch's fused op (forward and backward) computes g * v / ||v||, which is this
             # function exactly where no row is zero and ||v|| + eps rounds to ||v||; on the CPU
             # checking that costs nothing.
-            weight, norm = torch._weight_norm_interface(v, g, dim)
+            weight, norm = _torch_compat.weight_norm_interface(v, g, dim)
             if _eps_vanishes(norm.min().item(), self.eps, v.dtype):
                 return weight
         result: Tensor = _WeightNormFunction.apply(g, v, dim, self.eps)  # type: ignore[no-untyped-call]
@@ -241,9 +240,7 @@ def _is_weight_normalized(module: nn.Module, name: str) -> bool:
 
 
 def _is_pending(module: nn.Module, name: str) -> bool:
-    return (
-        deferred(module, name, _MARKER) is not None or deferred(module, _ALL, _MARKER) is not None
-    )
+    return pending(module, name, _MARKER) or pending(module, _ALL, _MARKER)
 
 
 def _install_legacy_keys(module: nn.Module, name: str) -> None:
@@ -286,11 +283,6 @@ def _direct_targets(module: nn.Module, dim: int | None) -> Iterator[tuple[str, i
 def _convert_all_direct(module: nn.Module, dim: int | None, eps: float) -> None:
     for name, axis in list(_direct_targets(module, dim)):
         _convert(module, name, axis, eps)
-
-
-def _is_internal(module: nn.Module) -> bool:
-    """Modules that hold the originals of parametrizations, which are never converted."""
-    return isinstance(module, (parametrize.ParametrizationList, CachedParametrization))
 
 
 def weight_norm(
@@ -349,7 +341,7 @@ def weight_norm(
     owners: dict[int, str] = {}
     normalized = other = 0
     for prefix, sub in module.named_modules():
-        if _is_internal(sub):
+        if is_internal(sub):
             continue
         if any(is_uninitialized(p) for p in sub._parameters.values()):
             if not _is_pending(sub, _ALL):
@@ -383,7 +375,7 @@ def weight_norm(
         _convert(sub, param_name, axis, eps)
     for sub in lazy:
         register = functools.partial(_convert_all_direct, dim=dim, eps=eps)
-        defer_until_materialized(sub, _ALL, register, _MARKER)
+        _parametrize.defer(sub, _ALL, register, _MARKER)
     return module
 
 
@@ -398,7 +390,7 @@ def _weight_norm_one(module: nn.Module, name: str, dim: int | None, eps: float) 
         )
     if tensor is None:
         register = functools.partial(_convert_named, name=name, dim=dim, eps=eps)
-        defer_until_materialized(module, name, register, _MARKER)
+        _parametrize.defer(module, name, register, _MARKER)
         return
     _convert(module, name, _axis(module, name, tensor.ndim, dim), eps)
 
@@ -456,9 +448,9 @@ def remove_weight_norm(module: M, name: str | None = None) -> M:
     if name is not None and not isinstance(name, str):
         raise TypeError(f"name must be a str or None, got name={name!r}")
     if name is not None:
-        if cancel_deferred(module, name, _MARKER):
+        if cancel_pending(module, name, _MARKER):
             return module
-        if deferred(module, _ALL, _MARKER) is not None:
+        if pending(module, _ALL, _MARKER):
             raise ValueError(
                 f"{describe(module, name)} is waiting to be converted with every parameter of "
                 f"this lazy {layer_name(module)}; cancel that with remove_weight_norm(module)"
@@ -471,11 +463,11 @@ def remove_weight_norm(module: M, name: str | None = None) -> M:
         return module
     found = False
     for sub in list(module.modules()):
-        if _is_internal(sub):
+        if is_internal(sub):
             continue
-        found |= cancel_deferred(sub, _ALL, _MARKER)
+        found |= cancel_pending(sub, _ALL, _MARKER)
         for param_name in parametrized_names(sub):
-            found |= cancel_deferred(sub, param_name, _MARKER)
+            found |= cancel_pending(sub, param_name, _MARKER)
             if _is_weight_normalized(sub, param_name):
                 _fold(sub, param_name)
                 found = True

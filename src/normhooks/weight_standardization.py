@@ -11,27 +11,16 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor, nn
 from torch.nn.utils import parametrize
 
-from normhooks import _checks
-from normhooks._parametrization import (
-    HALF_DTYPES,
-    TRANSPOSED,
-    CachedParametrization,
-    cancel_deferred,
-    checked_tensor,
-    defer_until_materialized,
-    deferred,
-    describe,
-    expected_ndim,
-    output_axis,
-    parametrizations_of,
-    refuse_wrapped,
-)
+from normhooks import _checks, _parametrize
+from normhooks._parametrize import describe, output_axis
+from normhooks._precision import upcast
+from normhooks._torch_compat import ConvNd
 
 __all__ = [
     "ScaledWeightStandardization",
@@ -111,7 +100,7 @@ def standardize_weight(
                 [ 0.0000,  0.0000,  0.0000]])
     """
     rows, shape = _rows(weight, dim, groups)
-    exact = rows.float() if rows.dtype in HALF_DTYPES else rows
+    exact = upcast(rows)
     if exact.numel() == 0:
         return weight.clone()
     if exact.device.type == "cpu":
@@ -120,20 +109,20 @@ def standardize_weight(
         standardized = torch.group_norm(exact.unsqueeze(1), 1, None, None, eps).squeeze(1)
     else:
         # On a GPU both are launch-bound for weights, and layer_norm launches fewer kernels
-        # (forward and backward of ResNet-18's weights: 3.9 ms against 5.4 ms on an H200).
+        # (benchmarks/gpu.py measures both).
         standardized = torch.layer_norm(exact, exact.shape[1:], None, None, eps)
     if gain is not None:
         standardized = standardized * gain.to(standardized.dtype).view(-1, 1)
     return _unrows(standardized.to(weight.dtype), shape, dim, groups)
 
 
-class WeightStandardization(CachedParametrization):
+class WeightStandardization(nn.Module):
     r"""Parametrization ``W -> (W - mean) / sqrt(var + eps)``, statistics per slice of ``dim``.
 
     Register it with :func:`weight_standardization`, or directly with
-    ``torch.nn.utils.parametrize.register_parametrization(module, "weight", ...)``. In eval
-    mode or under ``torch.no_grad()`` the standardized weight is computed once and reused
-    until the raw weight changes.
+    ``torch.nn.utils.parametrize.register_parametrization(module, "weight", ...)``. Like
+    every parametrization, the weight is recomputed at each access; inside
+    ``torch.nn.utils.parametrize.cached()`` it is computed once per scope.
 
     Args:
         eps: added to the variance inside the square root; must be positive.
@@ -153,16 +142,13 @@ class WeightStandardization(CachedParametrization):
     def __init__(self, eps: float = 1e-5, dim: int = 0, *, groups: int = 1) -> None:
         super().__init__()
         self.eps = _checks.positive("eps", eps)
-        if isinstance(dim, bool) or not isinstance(dim, int):
-            raise TypeError(f"dim must be an int, got dim={dim!r}")
-        self.dim = dim
+        self.dim = _checks.integer("dim", dim)
         self.groups = _checks.positive_int("groups", groups)
 
     def _axis(self, weight: Tensor) -> int:
         return _checks.axis("dim", self.dim, weight.ndim, f"a weight of shape {list(weight.shape)}")
 
-    def compute(self, *tensors: Tensor) -> Tensor:
-        weight = tensors[0]
+    def forward(self, weight: Tensor) -> Tensor:
         return standardize_weight(weight, self._axis(weight), self.eps, groups=self.groups)
 
     def extra_repr(self) -> str:
@@ -209,12 +195,24 @@ class ScaledWeightStandardization(WeightStandardization):
         self.gamma = _checks.positive("gamma", gamma)
         self.gain = nn.Parameter(torch.ones(num_channels, device=device, dtype=dtype))
 
-    def compute(self, *tensors: Tensor) -> Tensor:
-        weight, gain = tensors
+    def right_inverse(self, weight: Tensor) -> Tensor:
+        # Not an inverse (standardization loses each slice's mean and scale): registration
+        # keeps the raw weight as the original, and this is where its channel count is
+        # checked against the gain's, with a message instead of a broadcasting error.
+        channels = weight.shape[self._axis(weight)] * self.groups
+        if channels != self.gain.numel():
+            raise ValueError(
+                f"ScaledWeightStandardization has num_channels={self.gain.numel()}, but the "
+                f"weight of shape {list(weight.shape)} has {channels} output channels along "
+                f"dim={self.dim}" + (f" with groups={self.groups}" if self.groups > 1 else "")
+            )
+        return weight
+
+    def forward(self, weight: Tensor) -> Tensor:
         dim = self._axis(weight)
         rows, _ = _rows(weight, dim, self.groups)
         fan_in = rows.shape[1]
-        scale = gain * (self.gamma / math.sqrt(fan_in)) if fan_in else gain
+        scale = self.gain * (self.gamma / math.sqrt(fan_in)) if fan_in else self.gain
         return standardize_weight(weight, dim, self.eps, groups=self.groups, gain=scale)
 
     def extra_repr(self) -> str:
@@ -222,8 +220,8 @@ class ScaledWeightStandardization(WeightStandardization):
 
 
 def _is_standardized(module: nn.Module, name: str) -> bool:
-    return deferred(module, name, _MARKER) is not None or any(
-        isinstance(p, WeightStandardization) for p in parametrizations_of(module, name)
+    return _parametrize.pending(module, name, _MARKER) or any(
+        isinstance(p, WeightStandardization) for p in _parametrize.parametrizations_of(module, name)
     )
 
 
@@ -237,8 +235,61 @@ def _resolve(module: nn.Module, name: str, ndim: int, dim: int | None) -> tuple[
         )
     axis = output_axis(module) if dim is None else _checks.axis("dim", dim, ndim, where)
     groups = getattr(module, "groups", 1)
-    spans_groups = isinstance(module, TRANSPOSED) and axis == 1 and groups > 1
+    spans_groups = _parametrize.is_transposed(module) and axis == 1 and groups > 1
     return axis, groups if spans_groups else 1
+
+
+def _check_options(eps: object, scaled: object, gamma: object) -> tuple[float, bool, float]:
+    eps = _checks.positive("eps", eps)
+    scaled = _checks.boolean("scaled", scaled)
+    gamma = _checks.positive("gamma", gamma)
+    if gamma != 1.0 and not scaled:
+        raise ValueError(
+            f"gamma={gamma} scales only Scaled WS; pass scaled=True with it, or leave gamma at 1"
+        )
+    return eps, scaled, gamma
+
+
+def _plan(
+    module: nn.Module, name: str, eps: float, dim: int | None, scaled: bool, gamma: float
+) -> Callable[[], _parametrize.Undo]:
+    """Checks ``module.<name>`` and returns the step that standardizes it."""
+    weight = _parametrize.checked_tensor(module, name, "weight standardization")
+    if _is_standardized(module, name):
+        raise ValueError(f"{describe(module, name)} is already standardized")
+    if weight is None:
+        ndim = _parametrize.expected_ndim(module)
+        if ndim is not None:
+            _resolve(module, name, ndim, dim)
+        register = functools.partial(
+            _register, name=name, eps=eps, dim=dim, scaled=scaled, gamma=gamma
+        )
+        return lambda: _parametrize.defer(module, name, register, _MARKER)
+    return functools.partial(_register, module, name, eps, dim, scaled, gamma)
+
+
+def _register(
+    module: nn.Module, name: str, eps: float, dim: int | None, scaled: bool, gamma: float
+) -> _parametrize.Undo:
+    """Standardizes ``module.<name>``, which exists (a lazy module's, by its first forward)."""
+    weight = _parametrize.checked_tensor(module, name, "weight standardization")
+    if weight is None:
+        raise ValueError(f"{describe(module, name)} is still uninitialized")
+    axis, groups = _resolve(module, name, weight.ndim, dim)
+    parametrization: WeightStandardization
+    if scaled:
+        parametrization = ScaledWeightStandardization(
+            weight.shape[axis] * groups,
+            eps,
+            axis,
+            groups=groups,
+            gamma=gamma,
+            device=weight.device,
+            dtype=weight.dtype,
+        )
+    else:
+        parametrization = WeightStandardization(eps, axis, groups=groups)
+    return _parametrize.register(module, name, parametrization)
 
 
 def weight_standardization(
@@ -256,7 +307,8 @@ def weight_standardization(
     :class:`ScaledWeightStandardization`) parametrization on the parameter. The raw weight
     stays the same Parameter object, under ``module.parametrizations.<name>.original``, so an
     existing optimizer keeps working. On a lazy module (``LazyConv2d``, ``LazyLinear``, ...)
-    the parametrization is registered at the first forward, once the weight exists.
+    the parametrization is registered at the first forward, once the weight exists. To
+    convert a whole model, use :func:`apply_weight_standardization`.
 
     Args:
         module: the layer that owns the weight.
@@ -284,59 +336,60 @@ def weight_standardization(
         >>> torch.allclose(w.std(1, unbiased=False), torch.ones(8), atol=1e-3)
         True
     """
-    eps = _checks.positive("eps", eps)
-    scaled = _checks.boolean("scaled", scaled)
-    gamma = _checks.positive("gamma", gamma)
-    weight = checked_tensor(module, name, "weight standardization")
-    if _is_standardized(module, name):
-        raise ValueError(f"{describe(module, name)} is already standardized")
-    if weight is None:
-        ndim = expected_ndim(module)
-        if ndim is not None:
-            _resolve(module, name, ndim, dim)
-
-        register = functools.partial(
-            weight_standardization, name=name, eps=eps, dim=dim, scaled=scaled, gamma=gamma
+    eps, scaled, gamma = _check_options(eps, scaled, gamma)
+    _parametrize.check_module(module)
+    if not isinstance(name, str) or not hasattr(module, name):
+        _parametrize.check_name(name)
+        raise ValueError(
+            f"{_parametrize.layer_name(module)} has no parameter named {name!r}; to "
+            "standardize every layer of a model, use apply_weight_standardization(model)"
         )
-        defer_until_materialized(module, name, register, _MARKER)
-        return module
-    axis, groups = _resolve(module, name, weight.ndim, dim)
-    parametrization: WeightStandardization
-    if scaled:
-        parametrization = ScaledWeightStandardization(
-            weight.shape[axis] * groups,
-            eps,
-            axis,
-            groups=groups,
-            gamma=gamma,
-            device=weight.device,
-            dtype=weight.dtype,
-        )
-    else:
-        parametrization = WeightStandardization(eps, axis, groups=groups)
-    parametrize.register_parametrization(module, name, parametrization)
+    _plan(module, name, eps, dim, scaled, gamma)()
     return module
+
+
+def _layer_types(
+    layer_types: type[nn.Module] | Sequence[type[nn.Module]] | None,
+) -> tuple[type[nn.Module], ...]:
+    if layer_types is None:
+        return (ConvNd,)
+    types = (layer_types,) if isinstance(layer_types, type) else tuple(layer_types)
+    for layer_type in types:
+        if not (isinstance(layer_type, type) and issubclass(layer_type, nn.Module)):
+            raise TypeError(
+                "layer_types must be nn.Module subclasses, got "
+                f"{layer_type!r} in layer_types={layer_types!r}"
+            )
+    return types
 
 
 def apply_weight_standardization(
     model: nn.Module,
     *,
-    eps: float = 1e-5,
     layer_types: type[nn.Module] | Sequence[type[nn.Module]] | None = None,
+    eps: float = 1e-5,
     scaled: bool = False,
+    gamma: float = 1.0,
 ) -> nn.Module:
     """Standardizes the ``weight`` of every matching layer in ``model``.
 
+    The whole tree is checked before anything changes: either every matching layer is
+    standardized, or the call raises and the model is left as it was.
+
     Args:
         model: the model; changed in place.
-        eps: see :func:`weight_standardization`.
         layer_types: the layer classes to standardize (subclasses included). None means every
             convolution and transposed convolution, lazy ones included: the paper's use.
+        eps: see :func:`weight_standardization`.
         scaled: see :func:`weight_standardization`.
+        gamma: see :func:`weight_standardization`.
 
     Returns:
-        ``model``. Layers already standardized, and layers without a ``weight`` Parameter, are
-        skipped.
+        ``model``. Layers already standardized are skipped; matching layers without a
+        ``weight`` Parameter (a bias-free container, say) are skipped too.
+
+    Raises:
+        ValueError: no layer of ``model`` matches, or every match is already standardized.
 
     Example:
         >>> model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.GroupNorm(2, 8))
@@ -344,47 +397,47 @@ def apply_weight_standardization(
         >>> type(model[0]).__name__
         'ParametrizedConv2d'
     """
-    eps = _checks.positive("eps", eps)
-    scaled = _checks.boolean("scaled", scaled)
-    if layer_types is None:
-        types: tuple[type[nn.Module], ...] = (nn.modules.conv._ConvNd,)
-    elif isinstance(layer_types, type):
-        types = (layer_types,)
-    else:
-        types = tuple(layer_types)
-    for layer_type in types:
-        if not (isinstance(layer_type, type) and issubclass(layer_type, nn.Module)):
-            raise TypeError(
-                "layer_types must be nn.Module subclasses, got "
-                f"{layer_type!r} in layer_types={layer_types!r}"
-            )
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    refuse_wrapped(model, "weight standardization")
-    targets = [
-        m
-        for m in model.modules()
-        if isinstance(m, types)
-        and isinstance(getattr(m, "weight", None), nn.Parameter)
-        and not _is_standardized(m, "weight")
-    ]
-    for layer in targets:
-        weight_standardization(layer, "weight", eps=eps, scaled=scaled)
+    eps, scaled, gamma = _check_options(eps, scaled, gamma)
+    types = _layer_types(layer_types)
+    _parametrize.check_module(model, "model")
+    _parametrize.refuse_wrapped(model, "weight standardization")
+    steps = []
+    matched = already = 0
+    for layer in model.modules():
+        if _parametrize.is_internal(layer) or not isinstance(layer, types):
+            continue
+        if "weight" not in layer._parameters and not parametrize.is_parametrized(layer, "weight"):
+            continue
+        matched += 1
+        if _is_standardized(layer, "weight"):
+            already += 1
+            continue
+        steps.append(_plan(layer, "weight", eps, None, scaled, gamma))
+    if not steps:
+        names = ", ".join(t.__name__ for t in types)
+        reason = (
+            f"all {matched} matching layers are already standardized"
+            if matched
+            else f"it has no layer of type {names} with a weight"
+        )
+        raise ValueError(f"nothing to standardize in {_parametrize.layer_name(model)}: {reason}")
+    _parametrize.apply_all(steps)
     return model
 
 
 def remove_weight_standardization(
-    module: nn.Module, name: str = "weight", *, bake: bool = True
+    module: nn.Module, name: str | None = None, *, bake: bool = True
 ) -> nn.Module:
-    """Removes the standardization of ``module.<name>``.
+    """Removes weight standardization from ``module.<name>``, or from the whole tree.
 
     Args:
-        module: the layer.
-        name: the parameter's name.
+        module: the layer, or a model when ``name`` is None.
+        name: the parameter's name, or None for every standardization in the module tree
+            (pending ones on lazy modules included).
         bake: True leaves the standardized weight (times the gain, for Scaled WS) as a plain
-            Parameter, for inference and export with an unchanged output; False restores the
-            raw weight. Either way it is the same Parameter object as before, so an existing
-            optimizer keeps working.
+            contiguous Parameter, for inference and export with an unchanged output; False
+            restores the raw weight. Either way it is the same Parameter object as before, so
+            an existing optimizer keeps working.
 
     Returns:
         ``module``.
@@ -397,27 +450,56 @@ def remove_weight_standardization(
         True
     """
     bake = _checks.boolean("bake", bake)
-    if not isinstance(module, nn.Module):
-        raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
-    if not isinstance(name, str):
-        raise TypeError(f"name must be a str, got name={name!r}")
-    if cancel_deferred(module, name, _MARKER):
+    _parametrize.check_module(module)
+    if name is not None:
+        _parametrize.check_name(name)
+        if _parametrize.cancel_pending(module, name, _MARKER):
+            return module
+        _check_removable(module, name, bake)
+        _remove(module, name, bake)
         return module
-    chain = parametrizations_of(module, name)
+    targets = []
+    found = False
+    for sub in module.modules():
+        if _parametrize.is_internal(sub):
+            continue
+        for param_name in _parametrize.parametrized_names(sub):
+            if _is_standardized(sub, param_name):
+                _check_removable(sub, param_name, bake)
+                targets.append((sub, param_name))
+        found |= _parametrize.pending(sub, "weight", _MARKER)
+    if not targets and not found:
+        raise ValueError(
+            f"{_parametrize.layer_name(module)} has no weight standardization to remove"
+        )
+    for sub in module.modules():
+        _parametrize.cancel_pending(sub, "weight", _MARKER)
+    for sub, param_name in targets:
+        _remove(sub, param_name, bake)
+    return module
+
+
+def _check_removable(module: nn.Module, name: str, bake: bool) -> None:
+    chain = _parametrize.parametrizations_of(module, name)
     if not any(isinstance(p, WeightStandardization) for p in chain):
         raise ValueError(f"{describe(module, name)} is not standardized; nothing to remove")
+    if len(chain) > 1 and (bake or not isinstance(chain[-1], WeightStandardization)):
+        raise ValueError(
+            f"{describe(module, name)} has other parametrizations besides weight "
+            "standardization; only an outermost standardization can be removed, with "
+            "bake=False"
+        )
+
+
+def _remove(module: nn.Module, name: str, bake: bool) -> None:
+    chain = _parametrize.parametrizations_of(module, name)
     if len(chain) > 1:
-        if bake or not isinstance(chain[-1], WeightStandardization):
-            raise ValueError(
-                f"{describe(module, name)} has other parametrizations besides weight "
-                "standardization; only an outermost standardization can be removed, with "
-                "bake=False"
-            )
-        del module.parametrizations[name][-1]  # type: ignore[union-attr,index]
-        return module
-    for parametrization in chain:
-        # Baking stores the value computed now, not a cached tensor a caller may still hold.
-        if isinstance(parametrization, WeightStandardization):
-            parametrization.clear_cache()
+        del _parametrize.originals(module, name)[-1]
+        return
     parametrize.remove_parametrizations(module, name, leave_parametrized=bake)
-    return module
+    if bake:
+        weight = module._parameters[name]
+        if weight is not None and not weight.is_contiguous():
+            # A transposed layer's standardized weight comes back permuted; a plain layer's
+            # weight is contiguous, and parameters_to_vector and friends expect that.
+            weight.data = weight.data.contiguous()

@@ -1,8 +1,9 @@
-"""Weight standardization: formula, every layer type, lazy, bake, cache, compile, errors."""
+"""Weight standardization: formula, every layer type, lazy, bake, caching scope, compile, errors."""
 
 from __future__ import annotations
 
 import copy
+import importlib
 import io
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -21,10 +22,11 @@ from normhooks import (
     WeightStandardization,
     apply_weight_standardization,
     remove_weight_standardization,
-    standardization,
     standardize_weight,
     weight_standardization,
 )
+
+standardization = importlib.import_module("normhooks.weight_standardization")
 
 
 def reference(weight: torch.Tensor, dim: int, eps: float, groups: int = 1) -> torch.Tensor:
@@ -54,7 +56,7 @@ def output_axis(layer: nn.Module) -> int:
 
 @contextmanager
 def count_computations() -> Iterator[list[int]]:
-    """Counts standardizations actually computed (cache hits do not count)."""
+    """Counts standardizations actually computed."""
     calls = [0]
     original = standardization.standardize_weight
 
@@ -130,7 +132,7 @@ def test_dim0_on_transposed_conv_is_per_input_channel() -> None:
 @pytest.mark.parametrize("name", LAYERS)
 def test_gradcheck(name: str, scaled: bool) -> None:
     layer = LAYERS[name]().double()
-    weight_standardization(layer, scaled=scaled, gamma=1.7)
+    weight_standardization(layer, scaled=scaled, gamma=1.7 if scaled else 1.0)
     if scaled:
         with torch.no_grad():
             layer.parametrizations.weight[0].gain.uniform_(0.5, 1.5)
@@ -139,7 +141,13 @@ def test_gradcheck(name: str, scaled: bool) -> None:
 
     parametrization = layer.parametrizations.weight[0]
     inputs = tuple(t.detach().clone().requires_grad_() for t in tensors)
-    assert torch.autograd.gradcheck(parametrization.compute, inputs)
+
+    def standardize(weight: torch.Tensor, *gain: torch.Tensor) -> torch.Tensor:
+        if not gain:
+            return parametrization(weight)
+        return torch.func.functional_call(parametrization, {"gain": gain[0]}, (weight,))
+
+    assert torch.autograd.gradcheck(standardize, inputs)
 
 
 @pytest.mark.parametrize("name", LAYERS)
@@ -399,25 +407,30 @@ def test_compiled_training_step_matches_eager() -> None:
     )
 
 
-# --- eval cache ----------------------------------------------------------------------------
+# --- recomputed at every access; cached only inside parametrize.cached() -------------------
 
 
-def test_eval_reuses_standardized_weight() -> None:
+def test_every_forward_recomputes_in_eval_and_no_grad() -> None:
     layer = weight_standardization(nn.Conv2d(3, 4, 3)).eval()
     x = torch.randn(1, 3, 5, 5)
     with count_computations() as calls, torch.no_grad():
         first = layer(x)
         second = layer(x)
-    assert calls[0] == 1
+    assert calls[0] == 2
     torch.testing.assert_close(first, second, rtol=0, atol=0)
 
 
-def test_no_grad_in_train_mode_reuses_weight() -> None:
-    layer = weight_standardization(nn.Linear(4, 3))
-    with count_computations() as calls, torch.no_grad():
-        layer(torch.randn(2, 4))
-        layer(torch.randn(2, 4))
+def test_parametrize_cached_computes_once_per_scope() -> None:
+    layer = weight_standardization(nn.Conv2d(3, 4, 3)).eval()
+    x = torch.randn(1, 3, 5, 5)
+    with count_computations() as calls, torch.no_grad(), parametrize.cached():
+        first = layer(x)
+        second = layer(x)
     assert calls[0] == 1
+    torch.testing.assert_close(first, second, rtol=0, atol=0)
+    with count_computations() as calls, torch.no_grad(), parametrize.cached():
+        layer(x)
+    assert calls[0] == 1  # a new scope computes afresh
 
 
 def test_training_forward_is_never_cached() -> None:
@@ -428,7 +441,7 @@ def test_training_forward_is_never_cached() -> None:
     assert calls[0] == 2
 
 
-def test_cache_invalidated_by_optimizer_step() -> None:
+def test_weight_follows_optimizer_step() -> None:
     layer = weight_standardization(nn.Linear(4, 3))
     optimizer = torch.optim.SGD(layer.parameters(), lr=0.5)
     x = torch.randn(2, 4)
@@ -436,16 +449,42 @@ def test_cache_invalidated_by_optimizer_step() -> None:
         stale = layer(x)
     layer(x).square().sum().backward()
     optimizer.step()
-    with count_computations() as calls, torch.no_grad():
+    with torch.no_grad():
         fresh = layer(x)
-    assert calls[0] == 1
     assert not torch.allclose(fresh, stale)
     torch.testing.assert_close(
         layer.weight, standardize_weight(layer.parametrizations.weight.original.detach())
     )
 
 
-def test_cache_invalidated_by_load_state_dict() -> None:
+def test_half_float_round_trip_is_seen() -> None:
+    """The round trip frees and reuses storage: nothing may serve the weight from before."""
+    model = apply_weight_standardization(
+        nn.Sequential(nn.Conv2d(3, 8, 3), nn.GroupNorm(2, 8), nn.Conv2d(8, 4, 3))
+    ).eval()
+    x = torch.randn(2, 3, 9, 9)
+    with torch.no_grad():
+        model(x)
+        model.half().float()
+        expected = model(x)
+        for layer in (model[0], model[2]):
+            torch.testing.assert_close(
+                layer.weight, standardize_weight(layer.parametrizations.weight.original)
+            )
+    reference_model = copy.deepcopy(model)
+    with torch.no_grad():
+        torch.testing.assert_close(reference_model(x), expected, rtol=0, atol=0)
+
+
+def test_gradcheck_in_eval_mode() -> None:
+    """gradcheck perturbs its inputs in place: an eval forward must see every perturbation."""
+    layer = weight_standardization(nn.Linear(4, 3).double()).eval()
+    raw = layer.parametrizations.weight.original
+    x = torch.randn(2, 4, dtype=torch.float64)
+    assert torch.autograd.gradcheck(lambda w: layer(x), (raw,))
+
+
+def test_weight_follows_load_state_dict() -> None:
     layer = weight_standardization(nn.Linear(4, 3)).eval()
     other = weight_standardization(nn.Linear(4, 3))
     with torch.no_grad():
@@ -453,56 +492,6 @@ def test_cache_invalidated_by_load_state_dict() -> None:
     layer.load_state_dict(other.state_dict())
     with torch.no_grad():
         torch.testing.assert_close(layer.weight, other.weight)
-
-
-def test_data_writes_picked_up_at_mode_switch() -> None:
-    layer = weight_standardization(nn.Linear(4, 3)).eval()
-    with torch.no_grad():
-        layer(torch.randn(1, 4))
-    layer.train()
-    layer.parametrizations.weight.original.data.mul_(-1)
-    layer.eval()
-    with torch.no_grad():
-        torch.testing.assert_close(
-            layer.weight, standardize_weight(layer.parametrizations.weight.original.detach())
-        )
-
-
-def test_eval_mode_with_autograd_keeps_exact_gradients() -> None:
-    layer = weight_standardization(nn.Conv2d(3, 4, 3), scaled=True)
-    reference_layer = copy.deepcopy(layer)
-    x = torch.randn(2, 3, 5, 5)
-    layer.eval()
-    with count_computations() as calls:
-        layer(x).square().sum().backward()
-        layer(x).square().sum().backward()
-    assert calls[0] == 1 + 2  # one cached forward, one recomputation per backward
-    reference_layer(x).square().sum().backward()
-    reference_layer(x).square().sum().backward()
-    for a, b in zip(layer.parameters(), reference_layer.parameters(), strict=True):
-        torch.testing.assert_close(a.grad, b.grad)
-
-
-def test_cached_weight_cannot_be_modified_in_place_under_autograd() -> None:
-    layer = weight_standardization(nn.Linear(4, 3)).eval()
-    with pytest.raises(RuntimeError, match="is a view and is being modified inplace"):
-        layer.weight.add_(1.0)
-
-
-def test_cache_invalidated_by_fused_optimizer_step() -> None:
-    """Fused optimizers do not bump version counters; the step count catches them."""
-    layer = weight_standardization(nn.Linear(4, 3)).eval()
-    optimizer = torch.optim.Adam(layer.parameters(), lr=0.1, fused=True)
-    raw = layer.parametrizations.weight.original
-    x = torch.randn(2, 4)
-    for _ in range(2):
-        optimizer.zero_grad()
-        layer(x).square().sum().backward()
-        version = raw._version
-        optimizer.step()
-        assert raw._version == version  # the premise: no version bump
-        with torch.no_grad():
-            torch.testing.assert_close(layer.weight, standardize_weight(raw.detach()))
 
 
 def test_eval_mode_second_derivatives_are_exact() -> None:
@@ -531,7 +520,7 @@ class _Mask(nn.Module):
         return weight * self.mask
 
 
-def test_cache_never_matches_a_new_tensor_at_a_reused_address() -> None:
+def test_stacked_weight_follows_in_place_writes_to_the_inner_parametrization() -> None:
     layer = nn.Linear(4, 8)
     parametrize.register_parametrization(layer, "weight", _Mask(4))
     weight_standardization(layer)
@@ -633,7 +622,10 @@ def test_registration_errors_leave_module_unchanged(
 def test_non_floating_weight() -> None:
     layer = nn.Linear(3, 2)
     layer.weight = nn.Parameter(torch.ones(2, 3, dtype=torch.int64), requires_grad=False)
-    with pytest.raises(TypeError, match=r"Linear\.weight must be a floating-point tensor.*int64"):
+    with pytest.raises(
+        TypeError,
+        match=r"Linear\.weight must be a real floating-point tensor.*integer dtype torch\.int64",
+    ):
         weight_standardization(layer)
 
 
@@ -646,6 +638,8 @@ def test_standardizing_twice() -> None:
 
 def test_removing_what_is_not_there() -> None:
     with pytest.raises(ValueError, match=r"Linear\.weight is not standardized; nothing to remove"):
+        remove_weight_standardization(nn.Linear(3, 2), "weight")
+    with pytest.raises(ValueError, match="Linear has no weight standardization to remove"):
         remove_weight_standardization(nn.Linear(3, 2))
 
 
@@ -703,3 +697,191 @@ def test_bake_does_not_alias_a_weight_served_earlier() -> None:
 def test_module_argument_checked() -> None:
     with pytest.raises(TypeError, match=r"module must be a torch\.nn\.Module, got str"):
         weight_standardization("conv")  # type: ignore[arg-type]
+
+
+def test_gamma_without_scaled_is_refused() -> None:
+    layer = nn.Conv2d(3, 4, 3)
+    with pytest.raises(ValueError, match=r"gamma=2\.0 scales only Scaled WS; pass scaled=True"):
+        weight_standardization(layer, gamma=2.0)
+    assert not parametrize.is_parametrized(layer)
+    with pytest.raises(ValueError, match="pass scaled=True"):
+        apply_weight_standardization(nn.Sequential(layer), gamma=2.0)
+
+
+def test_apply_matching_no_layer_is_an_error() -> None:
+    with pytest.raises(ValueError, match=r"nothing to standardize in Sequential: it has no layer"):
+        apply_weight_standardization(nn.Sequential(nn.Linear(3, 2), nn.ReLU()))
+    model = apply_weight_standardization(nn.Sequential(nn.Conv2d(3, 2, 1)))
+    with pytest.raises(ValueError, match="all 1 matching layers are already standardized"):
+        apply_weight_standardization(model)
+
+
+def test_scaled_ws_channel_count_checked_at_registration() -> None:
+    layer = nn.Conv2d(3, 4, 3)
+    with pytest.raises(ValueError, match=r"num_channels=5, but the weight of shape \[4, 3, 3, 3\]"):
+        parametrize.register_parametrization(layer, "weight", ScaledWeightStandardization(5))
+    assert not parametrize.is_parametrized(layer)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [lambda: nn.ConvTranspose2d(3, 4, 3), lambda: nn.ConvTranspose2d(4, 6, 3, groups=2)],
+    ids=["deconv", "deconv-grouped"],
+)
+def test_baked_transposed_weight_is_contiguous(make: Callable[[], nn.Module]) -> None:
+    layer = weight_standardization(make())
+    weight = layer.parametrizations.weight.original
+    x = torch.randn(1, layer.in_channels, 4, 4)
+    before = layer(x)
+    remove_weight_standardization(layer)
+    assert layer.weight is weight
+    assert layer.weight.is_contiguous()
+    nn.utils.parameters_to_vector(layer.parameters())
+    torch.testing.assert_close(layer(x), before)
+
+
+@pytest.mark.parametrize("cls", [nn.Embedding, nn.EmbeddingBag], ids=["embedding", "bag"])
+def test_sparse_embedding_refused_at_registration(cls: type[nn.Module]) -> None:
+    layer = cls(10, 4, sparse=True)
+    with pytest.raises(ValueError, match=r"has sparse=True.*Use sparse=False"):
+        weight_standardization(layer)
+    assert not parametrize.is_parametrized(layer)
+
+
+def test_complex_weight_refused() -> None:
+    layer = nn.Linear(3, 2, dtype=torch.complex64)
+    with pytest.raises(TypeError, match=r"must be a real floating-point tensor.*complex dtype"):
+        weight_standardization(layer)
+
+
+def test_apply_is_atomic() -> None:
+    """A tree with one layer that cannot be standardized is left exactly as it was."""
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.Linear(4, 2), nn.Linear(2, 2))
+    model[2].weight = nn.Parameter(torch.ones(2, 2, dtype=torch.int64), requires_grad=False)
+    params = list(model.parameters())
+    with pytest.raises(TypeError, match=r"Linear\.weight must be a real floating-point tensor"):
+        apply_weight_standardization(model, layer_types=nn.Module)
+    assert not any(parametrize.is_parametrized(m) for m in model.modules())
+    assert list(model.parameters()) == params
+
+
+def test_apply_undoes_earlier_layers_when_a_registration_fails() -> None:
+    """What validation cannot foresee (here a parametrization raising) still rolls back."""
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.Conv2d(4, 4, 3), nn.Conv2d(4, 2, 3))
+    weights = [m.weight for m in model]
+    values = [w.detach().clone() for w in weights]
+    original_forward = WeightStandardization.forward
+    calls = [0]
+
+    def failing(self: WeightStandardization, weight: torch.Tensor) -> torch.Tensor:
+        calls[0] += 1
+        if calls[0] == 3:
+            raise RuntimeError("boom")
+        return original_forward(self, weight)
+
+    WeightStandardization.forward = failing  # type: ignore[method-assign]
+    try:
+        with pytest.raises(RuntimeError, match="boom"):
+            apply_weight_standardization(model)
+    finally:
+        WeightStandardization.forward = original_forward  # type: ignore[method-assign]
+    assert not any(parametrize.is_parametrized(m) for m in model)
+    for layer, weight, value in zip(model, weights, values, strict=True):
+        assert layer.weight is weight
+        torch.testing.assert_close(weight, value, rtol=0, atol=0)
+
+
+def test_remove_every_standardization_in_a_tree() -> None:
+    model = apply_weight_standardization(
+        nn.Sequential(nn.Conv2d(3, 4, 3), nn.LazyConv2d(2, 3)), scaled=True
+    )
+    remove_weight_standardization(model, bake=False)
+    assert not any(parametrize.is_parametrized(m) for m in model)
+    model(torch.randn(1, 3, 7, 7))
+    assert not parametrize.is_parametrized(model[1])
+    with pytest.raises(ValueError, match="Sequential has no weight standardization to remove"):
+        remove_weight_standardization(model)
+
+
+def test_lazy_registration_error_keeps_failing() -> None:
+    """A deferred registration that fails must not vanish and leave a plain layer running."""
+    layer = weight_standardization(nn.LazyLinear(4), dim=0)
+    original_forward = WeightStandardization.forward
+
+    def failing(self: WeightStandardization, weight: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("cannot standardize")
+
+    WeightStandardization.forward = failing  # type: ignore[method-assign]
+    try:
+        for _ in range(2):
+            with pytest.raises(RuntimeError, match="cannot standardize"):
+                layer(torch.randn(2, 3))
+    finally:
+        WeightStandardization.forward = original_forward  # type: ignore[method-assign]
+    layer(torch.randn(2, 3))
+    assert parametrize.is_parametrized(layer, "weight")
+
+
+def test_weight_standardization_on_a_model_points_to_apply() -> None:
+    with pytest.raises(ValueError, match="use apply_weight_standardization"):
+        weight_standardization(nn.Sequential(nn.Conv2d(3, 4, 3)))
+
+
+def _cnn() -> nn.Module:
+    return nn.Sequential(
+        nn.Conv2d(3, 4, 3), nn.GroupNorm(2, 4), nn.ReLU(), nn.Flatten(), nn.LazyLinear(2)
+    )
+
+
+@pytest.mark.parametrize("mode", ["train", "eval"])
+@pytest.mark.parametrize("scaled", [False, True], ids=["ws", "scaled"])
+def test_torch_func_per_sample_gradients(mode: str, scaled: bool) -> None:
+    model = _cnn()
+    model(torch.randn(1, 3, 5, 5))
+    apply_weight_standardization(model, scaled=scaled)
+    model.train(mode == "train")
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    x, y = torch.randn(4, 3, 5, 5), torch.randn(4, 2)
+
+    def loss(p: dict[str, torch.Tensor], xi: torch.Tensor, yi: torch.Tensor) -> torch.Tensor:
+        out = torch.func.functional_call(model, p, (xi.unsqueeze(0),))
+        return (out - yi).square().sum()
+
+    per_sample = torch.func.vmap(torch.func.grad(loss), in_dims=(None, 0, 0))(params, x, y)
+    for i in range(4):
+        model.zero_grad()
+        loss(dict(model.named_parameters()), x[i], y[i]).backward()
+        for name, param in model.named_parameters():
+            torch.testing.assert_close(per_sample[name][i], param.grad)
+
+
+def test_torch_func_jvp_and_ensembles() -> None:
+    models = [
+        apply_weight_standardization(nn.Sequential(nn.Conv2d(3, 4, 3))).double() for _ in range(3)
+    ]
+    for m in models:
+        m.eval()
+    params, buffers = torch.func.stack_module_state(models)
+    x = torch.randn(2, 3, 5, 5, dtype=torch.float64)
+    base = copy.deepcopy(models[0]).to("meta")
+
+    def run(p: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> torch.Tensor:
+        return torch.func.functional_call(base, (p, b), (x,))
+
+    outputs = torch.func.vmap(run)(params, buffers)
+    for i, m in enumerate(models):
+        with torch.no_grad():
+            torch.testing.assert_close(outputs[i], m(x))
+    layer = models[0]
+    raw = dict(layer.named_parameters())
+    tangent = {k: torch.randn_like(v) for k, v in raw.items()}
+    _, jvp_out = torch.func.jvp(
+        lambda p: torch.func.functional_call(layer, p, (x,)), (raw,), (tangent,)
+    )
+    eps = 1e-6
+    with torch.no_grad():
+        ahead, behind = (
+            torch.func.functional_call(layer, {k: v + s * tangent[k] for k, v in raw.items()}, (x,))
+            for s in (eps, -eps)
+        )
+    torch.testing.assert_close(jvp_out, (ahead - behind) / (2 * eps), rtol=1e-6, atol=1e-6)

@@ -1,0 +1,314 @@
+"""The parametrization layer that weight standardization and weight normalization share.
+
+Every reparametrization in normhooks is a ``torch.nn.utils.parametrize`` parametrization: a
+small ``nn.Module`` whose ``forward`` computes the weight, recomputed at every access exactly
+like torch's own (``parametrize.cached()`` is the scoped cache). This module does, once,
+what each technique's registering function needs around it:
+
+- :func:`checked_tensor`: the checks every entry point shares (module, name, Parameter,
+  dtype, layout, wrap order), with messages that name the parameter;
+- :func:`register`, :func:`defer`, :func:`apply_all`: registration on a materialized weight,
+  deferral to the first forward of a lazy module, and conversion of many parameters that
+  either all succeed or leave every module as it was;
+- naming helpers for errors (:func:`describe`) and the lookups of registered
+  parametrizations.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any, cast
+
+import torch
+from torch import Tensor, nn
+from torch.nn.utils import parametrize
+from torch.utils.hooks import RemovableHandle
+
+from normhooks._torch_compat import ConvNd, ConvTransposeNd
+
+Undo = Callable[[], None]
+
+
+# --- names for messages ---------------------------------------------------------------------
+
+
+def layer_name(module: nn.Module) -> str:
+    """The module's class name, without the ``Parametrized`` class parametrize wraps it in."""
+    cls = type(module)
+    if parametrize.is_parametrized(module):
+        cls = cls.__bases__[0]
+    return cls.__name__
+
+
+def describe(module: nn.Module, name: str) -> str:
+    """How errors name a module's parameter: ``Conv2d.weight``."""
+    return f"{layer_name(module)}.{name}"
+
+
+# --- layers ---------------------------------------------------------------------------------
+
+
+def expected_ndim(module: nn.Module) -> int | None:
+    """The weight's dimensions, for lazy modules whose weight does not exist yet."""
+    if isinstance(module, ConvNd):
+        return 2 + len(cast(Any, module).kernel_size)
+    if isinstance(module, nn.Linear):
+        return 2
+    return None
+
+
+def is_transposed(module: nn.Module) -> bool:
+    return isinstance(module, ConvTransposeNd)
+
+
+def output_axis(module: nn.Module) -> int:
+    """The axis of a layer's weight that indexes its output channels."""
+    return 1 if is_transposed(module) else 0
+
+
+def is_uninitialized(tensor: object) -> bool:
+    """Whether ``tensor`` is a lazy module's parameter or buffer that does not exist yet."""
+    return isinstance(tensor, (nn.UninitializedParameter, nn.UninitializedBuffer))
+
+
+# --- registered parametrizations ------------------------------------------------------------
+
+
+def parametrizations_of(module: nn.Module, name: str) -> list[nn.Module]:
+    """The parametrizations registered on ``module.<name>``, innermost first."""
+    if not parametrize.is_parametrized(module, name):
+        return []
+    return list(originals(module, name))
+
+
+def parametrized_names(module: nn.Module) -> list[str]:
+    """Names of ``module``'s parametrized tensors."""
+    holder = module._modules.get("parametrizations")
+    return list(holder.keys()) if isinstance(holder, nn.ModuleDict) else []
+
+
+def originals(module: nn.Module, name: str) -> parametrize.ParametrizationList:
+    """The ParametrizationList of ``module.<name>``, which holds its original tensors."""
+    holder = module._modules["parametrizations"]
+    if not isinstance(holder, nn.ModuleDict):
+        raise TypeError(f"{layer_name(module)}.parametrizations is not a ModuleDict")
+    return cast(parametrize.ParametrizationList, holder[name])
+
+
+def original(module: nn.Module, name: str, which: str) -> nn.Parameter:
+    """One original tensor of ``module.<name>``: ``original``, ``original0``, ..."""
+    return cast(nn.Parameter, getattr(originals(module, name), which))
+
+
+def is_internal(module: nn.Module) -> bool:
+    """Modules that hold the originals of parametrizations, which are never converted."""
+    return isinstance(module, parametrize.ParametrizationList)
+
+
+def has_torch_weight_norm(module: nn.Module, name: str) -> bool:
+    """Whether ``module.<name>`` carries torch's weight norm, either of its two forms.
+
+    ``torch.nn.utils.parametrizations.weight_norm`` registers a ``_WeightNorm``
+    parametrization; the legacy ``torch.nn.utils.weight_norm`` a forward pre-hook.
+    """
+    if any(type(p).__name__ == "_WeightNorm" for p in parametrizations_of(module, name)):
+        return True
+    legacy = sys.modules.get("torch.nn.utils.weight_norm")
+    hook_type = getattr(legacy, "WeightNorm", None)
+    return hook_type is not None and any(
+        isinstance(hook, hook_type) and getattr(hook, "name", None) == name
+        for hook in module._forward_pre_hooks.values()
+    )
+
+
+# --- checks ---------------------------------------------------------------------------------
+
+
+def check_module(module: object, argument: str = "module") -> nn.Module:
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"{argument} must be a torch.nn.Module, got {type(module).__name__}")
+    return module
+
+
+def check_name(name: object) -> str:
+    if not isinstance(name, str):
+        raise TypeError(f"name must be a str, got name={name!r}")
+    return name
+
+
+def checked_tensor(module: nn.Module, name: str, what: str) -> Tensor | None:
+    """The tensor ``module.<name>`` after the checks every entry point shares.
+
+    Returns None for a lazy module's weight that does not exist yet.
+    """
+    check_module(module)
+    check_name(name)
+    if parametrize.is_parametrized(module, name):
+        # Stacked on another parametrization: what gets reparametrized is its output.
+        weight: Tensor | None = getattr(module, name)
+    elif name in module._parameters:
+        weight = module._parameters[name]
+    elif hasattr(module, name):
+        found = type(getattr(module, name)).__name__
+        raise TypeError(
+            f"{describe(module, name)} must be a torch.nn.Parameter to apply {what}, got {found}"
+        )
+    else:
+        raise ValueError(f"{layer_name(module)} has no parameter named {name!r}")
+    if weight is None:
+        raise ValueError(f"{describe(module, name)} is None; there is no weight to {what}")
+    if is_uninitialized(weight):
+        return None
+    refuse_wrapped(module, what, weight, name)
+    if not isinstance(weight, nn.Parameter) and not parametrize.is_parametrized(module, name):
+        raise TypeError(
+            f"{describe(module, name)} must be a torch.nn.Parameter to apply {what}, "
+            f"got {type(weight).__name__}"
+        )
+    check_dtype(module, name, weight.dtype, what)
+    refuse_sparse(module, what)
+    return weight
+
+
+def check_dtype(module: nn.Module, name: str, dtype: torch.dtype, what: str) -> None:
+    if not dtype.is_floating_point:
+        kind = "complex" if dtype.is_complex else "integer"
+        raise TypeError(
+            f"{describe(module, name)} must be a real floating-point tensor for {what}, "
+            f"got {kind} dtype {dtype}"
+        )
+
+
+def refuse_sparse(module: nn.Module, what: str) -> None:
+    """Sparse embeddings produce sparse gradients that no parametrization can pass through."""
+    if isinstance(module, (nn.Embedding, nn.EmbeddingBag)) and module.sparse:
+        raise ValueError(
+            f"{layer_name(module)} has sparse=True; {what} computes the weight from its "
+            "originals, whose gradients are dense. Use sparse=False"
+        )
+
+
+def refuse_wrapped(
+    module: nn.Module, what: str, tensor: Tensor | None = None, name: str = "weight"
+) -> None:
+    """Raises if ``module`` was already wrapped by DDP or ``fully_shard``.
+
+    Both must come after the reparametrization: DDP attaches its gradient hooks to the
+    parameters it finds at construction and would never average new ones, and FSDP2 keeps
+    managing the old name while the new originals stay sharded DTensors outside forward.
+    """
+    dtensor = sys.modules.get("torch.distributed.tensor")
+    if tensor is not None and dtensor is not None and isinstance(tensor, dtensor.DTensor):
+        raise ValueError(
+            f"{describe(module, name)} is a DTensor: the model is already sharded by "
+            f"fully_shard. Apply {what} before fully_shard"
+        )
+    ddp = sys.modules.get("torch.nn.parallel.distributed")
+    if ddp is not None and any(
+        isinstance(m, ddp.DistributedDataParallel) for m in module.modules()
+    ):
+        raise ValueError(
+            f"{layer_name(module)} is wrapped by DistributedDataParallel. Apply {what} "
+            "before wrapping: DDP only averages the gradients of the parameters it saw at "
+            "construction"
+        )
+
+
+# --- registration ---------------------------------------------------------------------------
+
+
+def register(module: nn.Module, name: str, parametrization: nn.Module) -> Undo:
+    """Registers ``parametrization`` on ``module.<name>``; returns what undoes it exactly.
+
+    The undo puts back the very Parameter object that was there (and its values), so a
+    conversion that fails half way leaves optimizers and tied modules as they were.
+    """
+    stacked = parametrize.is_parametrized(module, name)
+    before = module._parameters.get(name)
+    parametrize.register_parametrization(module, name, parametrization)
+
+    def undo() -> None:
+        if stacked:
+            del originals(module, name)[-1]
+            return
+        single = hasattr(originals(module, name), "original")
+        if single:
+            parametrize.remove_parametrizations(module, name, leave_parametrized=False)
+            return
+        parametrize.remove_parametrizations(module, name, leave_parametrized=True)
+        delattr(module, name)
+        module.register_parameter(name, before)
+
+    return undo
+
+
+def apply_all(steps: Sequence[Callable[[], Undo]]) -> None:
+    """Runs every step, or none: if one raises, the ones before it are undone, last first.
+
+    Callers validate the whole tree before building ``steps``; this is the guarantee for
+    what validation cannot foresee (an error inside torch, a KeyboardInterrupt).
+    """
+    undos: list[Undo] = []
+    try:
+        for step in steps:
+            undos.append(step())
+    except BaseException:
+        for undo in reversed(undos):
+            undo()
+        raise
+
+
+class _Deferred:
+    """Forward pre-hook that registers a parametrization once a lazy weight is materialized.
+
+    It runs after the lazy module's own pre-hook (hooks run in registration order), which
+    has created the weight by then, and removes itself before registering. A registration
+    that fails raises from that forward and stays pending, so the next forward raises again
+    instead of running the layer without its reparametrization.
+    """
+
+    def __init__(self, name: str, register: Callable[[nn.Module], object], marker: str) -> None:
+        self.name = name
+        self.register = register
+        self.marker = marker
+        self.handle: RemovableHandle | None = None
+
+    def __call__(self, module: nn.Module, args: tuple[Any, ...]) -> None:
+        if any(is_uninitialized(p) for p in module.parameters(recurse=False)):
+            return
+        self.register(module)
+        if self.handle is not None:
+            self.handle.remove()
+
+
+def defer(
+    module: nn.Module, name: str, register: Callable[[nn.Module], object], marker: str
+) -> Undo:
+    """Runs ``register(module)`` at the first forward, when ``module.<name>`` exists."""
+    hook = _Deferred(name, register, marker)
+    hook.handle = module.register_forward_pre_hook(hook)
+    return hook.handle.remove
+
+
+def pending(module: nn.Module, name: str, marker: str) -> bool:
+    """Whether a registration of kind ``marker`` waits for ``module.<name>`` to exist."""
+    return _find_deferred(module, name, marker) is not None
+
+
+def cancel_pending(module: nn.Module, name: str, marker: str) -> bool:
+    """Removes a pending registration; returns whether there was one."""
+    hook = _find_deferred(module, name, marker)
+    if hook is None or hook.handle is None:
+        return False
+    hook.handle.remove()
+    return True
+
+
+def _find_deferred(module: nn.Module, name: str, marker: str) -> _Deferred | None:
+    # Reading the hook dict finds pending registrations of deep copies and unpickled modules
+    # too, whose handles were copied along with the dict they point into.
+    for hook in module._forward_pre_hooks.values():
+        if isinstance(hook, _Deferred) and hook.name == name and hook.marker == marker:
+            return hook
+    return None
