@@ -7,6 +7,7 @@ import time
 from collections.abc import Callable, Mapping
 
 import torch
+from torch.nn.utils import parametrize
 
 
 def synchronize(device: torch.device) -> None:
@@ -55,11 +56,17 @@ def compare_models(
     target: torch.Tensor,
     device: torch.device,
     repeats: int,
+    *,
+    reads: int = 4,
 ) -> None:
-    """Prints train-step and eval-forward ratios of ``models`` to the one named "plain".
+    """Prints the ratios of ``models`` to the one named "plain", in four patterns.
 
-    Train step: forward, cross-entropy backward and an SGD(momentum) step. Eval forward: eval
-    mode under ``torch.no_grad()``, as inference runs.
+    - train step: forward, cross-entropy backward and an SGD(momentum) step;
+    - eval forward: a model already in eval mode, under ``torch.no_grad()``;
+    - predict function: ``model.eval()`` then a ``no_grad`` forward at every call, the usual
+      way inference is wrapped (eval on a model already in eval mode must cost nothing);
+    - cached scope: ``reads`` forwards inside one ``torch.nn.utils.parametrize.cached()``
+      block, the inference loop torch's scoped cache is for (each weight computed once).
     """
     optimizers = {
         name: torch.optim.SGD(m.parameters(), lr=1e-3, momentum=0.9) for name, m in models.items()
@@ -80,11 +87,34 @@ def compare_models(
 
         return run
 
+    def predict(name: str) -> Callable[[], None]:
+        def run() -> None:
+            model = models[name]
+            model.eval()
+            with torch.no_grad():
+                model(x)
+
+        return run
+
+    def cached_scope(name: str) -> Callable[[], None]:
+        def run() -> None:
+            with torch.no_grad(), parametrize.cached():
+                for _ in range(reads):
+                    models[name](x)
+
+        return run
+
     for model in models.values():
         model.train()
     train = time_side_by_side({n: train_step(n) for n in models}, device, repeats)
     print_ratios(f"{title}: train step (forward + backward + SGD)", train, "plain")
     for model in models.values():
         model.eval()
-    evaluation = time_side_by_side({n: eval_forward(n) for n in models}, device, repeats * 3)
-    print_ratios(f"{title}: eval forward (no_grad)", evaluation, "plain")
+    patterns = [
+        ("eval forward (no_grad)", eval_forward),
+        ("predict function (model.eval() + no_grad at each call)", predict),
+        (f"{reads} eval forwards in one parametrize.cached() scope", cached_scope),
+    ]
+    for label, pattern in patterns:
+        times = time_side_by_side({n: pattern(n) for n in models}, device, repeats * 3)
+        print_ratios(f"{title}: {label}", times, "plain")
