@@ -109,6 +109,7 @@ SETTINGS = [
     pytest.param({"clip": True, "lr": 1e-4, "trust_coefficient": 1e-3}, id="clip-saturates"),
     pytest.param({"threshold": 8.0}, id="threshold"),
     pytest.param({"eps": 0.0}, id="eps0"),
+    pytest.param({"eps": 0.5, "weight_decay": 0.1}, id="large-eps"),
 ]
 
 
