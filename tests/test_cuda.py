@@ -174,3 +174,119 @@ def test_inductor_compiled_step_matches_eager() -> None:
     model = apply_weight_standardization(cnn()).cuda()
     x = torch.randn(8, 3, 16, 16, device="cuda")
     assert_compiled_training_matches_eager(model, x, make, backend="inductor", rtol=1e-4, atol=1e-5)
+
+
+# --------------------------------------------------------------------------------------------
+# The Triton kernels on the GPU, against the float64 formulas of tests/test_kernels.py on the
+# CPU, at sizes that cross the real chunk size (32768 values).
+
+
+@pytest.fixture
+def kernel_tests() -> Any:
+    pytest.importorskip("triton", reason="the fused kernels need Triton")
+    import test_kernels
+
+    return test_kernels
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["float32", "float64"])
+def test_lars_kernel_on_cuda_matches_cpu_reference(kernel_tests: Any, dtype: torch.dtype) -> None:
+    from normhooks._kernels.lars import lars_unit_
+
+    shapes = [(3, 4), (32768,), (70000,), (0,), (64, 3, 3, 3), (1,)]
+    params = [torch.randn(s, dtype=dtype) for s in shapes]
+    grads = [torch.randn(s, dtype=dtype) * 512 for s in shapes]
+    expected_rates, expected = kernel_tests.lars_reference(
+        params, grads, weight_decay=1e-2, clip=True, lr=0.5, grad_scale=512.0
+    )
+    cuda_grads = [g.cuda() for g in grads]
+    found_inf = torch.zeros(1, device="cuda")
+    rates = lars_unit_(
+        [p.cuda() for p in params],
+        cuda_grads,
+        threshold=1e-2,
+        weight_decay=1e-2,
+        eps=1e-9,
+        trust_coefficient=1.0,
+        lr=torch.tensor(0.5, device="cuda"),
+        clip=True,
+        grad_scale=torch.tensor(512.0, device="cuda"),
+        found_inf=found_inf,
+    )
+    torch.testing.assert_close(rates.cpu(), expected_rates.to(dtype))
+    for grad, want in zip(cuda_grads, expected, strict=True):
+        torch.testing.assert_close(grad.cpu(), want.to(dtype))
+    assert found_inf.item() == 0.0
+
+
+def test_lars_kernel_never_syncs_with_host(kernel_tests: Any) -> None:
+    from normhooks._kernels.lars import lars_unit_
+
+    params = [torch.randn(s, device="cuda") for s in [(64, 3, 3, 3), (70000,), (10,)]]
+    grads = [torch.randn_like(p) for p in params]
+    settings: dict[str, Any] = {
+        "threshold": 1e-2,
+        "weight_decay": 1e-4,
+        "eps": 1e-9,
+        "trust_coefficient": 1.0,
+        "lr": torch.tensor(0.1, device="cuda"),
+        "clip": True,
+        "grad_scale": torch.tensor(1024.0, device="cuda"),
+        "found_inf": torch.zeros(1, device="cuda"),
+    }
+    lars_unit_(params, grads, **settings)  # compiles and builds the table
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        lars_unit_(params, grads, **settings)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["float32", "float64"])
+@pytest.mark.parametrize(
+    ("shape", "dim"), [((64, 32, 3, 3), 0), ((32, 64, 3, 3), 1), ((20, 30), 1)]
+)
+@pytest.mark.parametrize("eps", [0.0, 1e-3], ids=["eps0", "eps1e-3"])
+def test_weight_norm_kernel_on_cuda_matches_cpu_reference(
+    kernel_tests: Any, shape: tuple[int, ...], dim: int, eps: float, dtype: torch.dtype
+) -> None:
+    from normhooks._kernels.weight_norm import weight_norm as fused
+
+    v = torch.randn(shape, dtype=torch.float64)
+    v.select(dim, 1).zero_()
+    g = torch.rand(kernel_tests.gain_shape(v, dim), dtype=torch.float64) + 0.5
+    upstream = torch.randn(shape, dtype=torch.float64)
+    exact = [t.clone().requires_grad_() for t in (g, v)]
+    want = kernel_tests.wn_reference(*exact, dim, eps)
+    wanted = torch.autograd.grad(want, exact, upstream)
+    ours = [t.to("cuda", dtype).requires_grad_() for t in (g, v)]
+    out = fused(*ours, dim, eps)
+    grads = torch.autograd.grad(out, ours, upstream.to("cuda", dtype))
+    torch.testing.assert_close(out.cpu(), want.to(dtype))
+    for got, expected in zip(grads, wanted, strict=True):
+        torch.testing.assert_close(got.cpu(), expected.to(dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["float32", "float64"])
+@pytest.mark.parametrize("transposed", [False, True], ids=["contiguous", "transposed"])
+def test_standardize_rows_kernel_on_cuda_matches_cpu_reference(
+    kernel_tests: Any, transposed: bool, dtype: torch.dtype
+) -> None:
+    from normhooks._kernels.weight_standardization import standardize_rows
+
+    rows = torch.randn(64, 1200, dtype=torch.float64) * 3 + 1
+    gain = torch.randn(64, dtype=torch.float64)
+    upstream = torch.randn(64, 1200, dtype=torch.float64)
+    exact = [rows.clone().requires_grad_(), gain.clone().requires_grad_()]
+    want = kernel_tests.ws_reference(*exact)
+    wanted = torch.autograd.grad(want, exact, upstream)
+    on_gpu = rows.to("cuda", dtype)
+    if transposed:
+        on_gpu = on_gpu.t().contiguous().t()
+    ours = [on_gpu.requires_grad_(), gain.to("cuda", dtype).requires_grad_()]
+    out = standardize_rows(ours[0], 1e-5, ours[1])
+    grads = torch.autograd.grad(out, ours, upstream.to("cuda", dtype))
+    torch.testing.assert_close(out.cpu(), want.to(dtype))
+    for got, expected in zip(grads, wanted, strict=True):
+        torch.testing.assert_close(got.cpu(), expected.to(dtype))

@@ -84,3 +84,8 @@ def dtensor_type() -> Any:
     """torch's DTensor class, or None while nothing has imported it (so nothing is one)."""
     module = sys.modules.get("torch.distributed.tensor")
     return None if module is None else module.DTensor
+
+
+def is_functorch_wrapped(tensor: Tensor) -> bool:
+    """Whether ``tensor`` is a torch.func transform's wrapper (vmap, grad) (2.11, 2.13)."""
+    return bool(torch._C._functorch.is_functorch_wrapped_tensor(tensor))

@@ -1,0 +1,80 @@
+"""Fused Triton kernels for CUDA tensors, imported only when used.
+
+``import normhooks`` never imports Triton: each entry point here imports its kernel module on
+first call. :func:`available` is the dispatch rule: Triton importable, a plain CUDA tensor,
+and not under ``torch.compile`` (where inductor fuses the plain formula itself) nor a
+``torch.func`` transform (whose wrapped tensors a kernel cannot read).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+
+import torch
+from torch import Tensor, nn
+
+from normhooks import _torch_compat
+
+_PLAIN = (Tensor, nn.Parameter)
+
+
+@functools.cache
+def _triton_importable() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def available(tensor: Tensor) -> bool:
+    """Whether the kernels can run on ``tensor``."""
+    return (
+        tensor.is_cuda
+        and type(tensor) in _PLAIN
+        and not torch.compiler.is_compiling()
+        and not _torch_compat.is_functorch_wrapped(tensor)
+        and _triton_importable()
+    )
+
+
+def lars_unit_(
+    params: list[Tensor],
+    grads: list[Tensor],
+    *,
+    threshold: float,
+    weight_decay: float,
+    eps: float,
+    trust_coefficient: float,
+    lr: float | Tensor | None,
+    clip: bool,
+    grad_scale: Tensor | None,
+    found_inf: Tensor | None,
+) -> Tensor:
+    """See :func:`normhooks._kernels.lars.lars_unit_`."""
+    from normhooks._kernels import lars
+
+    return lars.lars_unit_(
+        params,
+        grads,
+        threshold=threshold,
+        weight_decay=weight_decay,
+        eps=eps,
+        trust_coefficient=trust_coefficient,
+        lr=lr,
+        clip=clip,
+        grad_scale=grad_scale,
+        found_inf=found_inf,
+    )
+
+
+def fused_weight_norm(g: Tensor, v: Tensor, dim: int, eps: float) -> Tensor:
+    """See :func:`normhooks._kernels.weight_norm.weight_norm` (a different name here: importing
+    that submodule binds ``weight_norm`` in this package to the module)."""
+    from normhooks._kernels import weight_norm as module
+
+    return module.weight_norm(g, v, dim, eps)
+
+
+def standardize_rows(rows: Tensor, eps: float, gain: Tensor | None = None) -> Tensor:
+    """See :func:`normhooks._kernels.weight_standardization.standardize_rows`."""
+    from normhooks._kernels import weight_standardization
+
+    return weight_standardization.standardize_rows(rows, eps, gain)

@@ -1,0 +1,379 @@
+r"""LARS for every tensor of one device and dtype in two kernel launches.
+
+Launch 1 splits every tensor into chunks of ``_CHUNK`` values and writes each chunk's sums of
+squares of :math:`w` and :math:`g` (a multi-tensor pass: tensors are found through a table of
+addresses). Launch 2 runs one program per chunk again: each re-reduces its tensor's partial
+sums in a fixed order (deterministic, no float atomics), computes the tensor's rate and writes
+:math:`g \leftarrow r\,(g / s + \beta w)`, with :math:`s` a GradScaler's scale when given.
+"""
+
+# Triton ships without type information: its modules and @triton.jit are untyped to mypy.
+# mypy: disable-error-code="import-untyped, untyped-decorator"
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from normhooks._kernels._common import acc_dtype, as_float, bits, div, is_finite, on_device, sqrt
+from normhooks._kernels._common import tl_dtype as _tl_dtype
+from normhooks._precision import compute_dtype
+
+# Values per program: a chunk is _CHUNK values of one tensor, read _BLOCK at a time.
+_BLOCK = 1024
+_CHUNK = 32 * _BLOCK
+# Partial sums re-reduced at a time in launch 2.
+_PARTIALS_BLOCK = 128
+# Tables kept for this many distinct sets of tensors (an optimizer has one per device, dtype
+# and param group; a few more cover models trained side by side).
+_CACHE_SIZE = 64
+
+
+@triton.jit
+def _partial_squares(  # type: ignore[no-untyped-def]
+    w_ptrs,
+    g_ptrs,
+    numels,
+    chunk_tensor,
+    chunk_start,
+    partials,
+    dtype: tl.constexpr,
+    acc: tl.constexpr,
+    block: tl.constexpr,
+    chunk_size: tl.constexpr,
+):
+    chunk = tl.program_id(0)
+    tensor = tl.load(chunk_tensor + chunk)
+    start = tl.load(chunk_start + chunk)
+    numel = tl.load(numels + tensor)
+    w = tl.load(w_ptrs + tensor).to(tl.pointer_type(dtype))
+    g = tl.load(g_ptrs + tensor).to(tl.pointer_type(dtype))
+    w_acc = tl.zeros([block], dtype=acc)
+    g_acc = tl.zeros([block], dtype=acc)
+    for offset in tl.range(0, chunk_size, block):
+        index = start + offset + tl.arange(0, block)
+        mask = index < numel
+        w_values = tl.load(w + index, mask=mask, other=0.0).to(acc)
+        g_values = tl.load(g + index, mask=mask, other=0.0).to(acc)
+        w_acc += w_values * w_values
+        g_acc += g_values * g_values
+    tl.store(partials + 2 * chunk, tl.sum(w_acc, axis=0))
+    tl.store(partials + 2 * chunk + 1, tl.sum(g_acc, axis=0))
+
+
+@triton.jit(do_not_specialize=["threshold", "weight_decay", "eps", "trust_coefficient", "lr"])
+def _scale(  # type: ignore[no-untyped-def]
+    w_ptrs,
+    g_ptrs,
+    numels,
+    first_chunk,
+    chunk_tensor,
+    chunk_start,
+    partials,
+    rates,
+    grad_scale,
+    lr_tensor,
+    found_inf,
+    threshold,
+    weight_decay,
+    eps,
+    trust_coefficient,
+    lr,
+    dtype: tl.constexpr,
+    acc: tl.constexpr,
+    block: tl.constexpr,
+    chunk_size: tl.constexpr,
+    partials_block: tl.constexpr,
+    has_decay: tl.constexpr,
+    has_trust: tl.constexpr,
+    clip: tl.constexpr,
+    lr_is_tensor: tl.constexpr,
+    zero_denominator_is_one: tl.constexpr,
+    scaled: tl.constexpr,
+    flag_overflow: tl.constexpr,
+):
+    chunk = tl.program_id(0)
+    tensor = tl.load(chunk_tensor + chunk)
+    start = tl.load(chunk_start + chunk)
+    numel = tl.load(numels + tensor)
+    # The tensor's partial sums: chunks [low, high), added in a fixed order (see _common for
+    # why the loops over run-time bounds are while loops).
+    low = tl.load(first_chunk + tensor)
+    high = tl.load(first_chunk + tensor + 1)
+    w_sums = tl.zeros([partials_block], dtype=acc)
+    g_sums = tl.zeros([partials_block], dtype=acc)
+    first = low
+    while first < high:
+        index = first + tl.arange(0, partials_block)
+        mask = index < high
+        w_sums += tl.load(partials + 2 * index, mask=mask, other=0.0)
+        g_sums += tl.load(partials + 2 * index + 1, mask=mask, other=0.0)
+        first += partials_block
+    w_norm = sqrt(tl.sum(w_sums, axis=0), acc)
+    g_norm = sqrt(tl.sum(g_sums, axis=0), acc)
+    decay = as_float(weight_decay, acc)
+    if scaled:
+        scale = tl.load(grad_scale).to(acc)
+        g_norm = div(g_norm, scale, acc)
+    # The association of the eager formula: (||g|| + eps) + weight_decay * ||w||.
+    denominator = g_norm + as_float(eps, acc)
+    if has_decay:
+        denominator = denominator + decay * w_norm
+    rate = div(w_norm, denominator, acc)
+    if has_trust:
+        rate = rate * as_float(trust_coefficient, acc)
+    if clip:
+        if lr_is_tensor:
+            rate = div(rate, tl.load(lr_tensor).to(acc), acc)
+        else:
+            rate = div(rate, as_float(lr, acc), acc)
+        # Not tl.minimum: a NaN rate stays NaN, as torch.clamp leaves it.
+        rate = tl.where(rate > 1.0, 1.0, rate)
+    keep = w_norm > as_float(threshold, acc)
+    if zero_denominator_is_one:
+        keep = keep & (denominator > 0.0)
+    rate = tl.where(keep, rate, 1.0).to(acc)
+    tl.store(rates + tensor, rate, mask=start == 0)
+
+    w = tl.load(w_ptrs + tensor).to(tl.pointer_type(dtype))
+    g = tl.load(g_ptrs + tensor).to(tl.pointer_type(dtype))
+    finite = tl.full([block], 1, dtype=tl.int1)
+    for offset in tl.range(0, chunk_size, block):
+        index = start + offset + tl.arange(0, block)
+        mask = index < numel
+        values = tl.load(g + index, mask=mask, other=0.0).to(acc)
+        if scaled:
+            values = div(values, scale, acc)
+        if has_decay:
+            values = values + decay * tl.load(w + index, mask=mask, other=0.0).to(acc)
+        written = (rate * values).to(dtype)
+        tl.store(g + index, written, mask=mask)
+        if flag_overflow:
+            finite = finite & is_finite(written.to(acc))
+    if flag_overflow:
+        overflow = tl.min(finite.to(tl.int32), axis=0) == 0
+        tl.atomic_max(found_inf, 1.0, mask=overflow)
+
+
+class _Table:
+    """Addresses, sizes and chunks of one list of tensors, on their device.
+
+    Its content is a function of the key it is cached under (addresses and sizes), so a
+    cached table is never stale: a tensor that moves or changes size makes a new key.
+    """
+
+    def __init__(self, params: Sequence[Tensor], grads: Sequence[Tensor], chunk: int) -> None:
+        numels = [p.numel() for p in params]
+        # Every tensor gets at least one chunk, so an empty one still has its rate written.
+        counts = [max(1, -(-n // chunk)) for n in numels]
+        first = [0]
+        for count in counts:
+            first.append(first[-1] + count)
+        chunk_tensor = [i for i, count in enumerate(counts) for _ in range(count)]
+        chunk_start = [c * chunk for count in counts for c in range(count)]
+        rows = [
+            [p.data_ptr() for p in params],
+            [g.data_ptr() for g in grads],
+            numels,
+            first,
+            chunk_tensor,
+            chunk_start,
+        ]
+        host = torch.tensor([x for row in rows for x in row], dtype=torch.int64)
+        device = params[0].device
+        if device.type == "cuda":
+            # Built once per set of tensors; a pinned copy does not wait for the device.
+            host = host.pin_memory()
+        table = host.to(device, non_blocking=True)
+        self.chunks = len(chunk_tensor)
+        parts = torch.split(table, [len(row) for row in rows])
+        (
+            self.w_ptrs,
+            self.g_ptrs,
+            self.numels,
+            self.first_chunk,
+            self.chunk_tensor,
+            self.chunk_start,
+        ) = parts
+
+
+_tables: OrderedDict[tuple[object, ...], _Table] = OrderedDict()
+
+
+def _table(params: Sequence[Tensor], grads: Sequence[Tensor]) -> _Table:
+    key = (
+        params[0].device,
+        params[0].dtype,
+        _CHUNK,
+        tuple(map(Tensor.data_ptr, params)),
+        tuple(map(Tensor.data_ptr, grads)),
+        tuple(map(Tensor.numel, params)),
+    )
+    table = _tables.get(key)
+    if table is None:
+        # Checked once per set of tensors: torch keeps a .grad of its parameter's shape,
+        # dtype and device, so a set found again by address has passed already.
+        _check(params, grads)
+        table = _tables[key] = _Table(params, grads, _CHUNK)
+        if len(_tables) > _CACHE_SIZE:
+            _tables.popitem(last=False)
+    else:
+        _tables.move_to_end(key)
+    return table
+
+
+def _dense(tensor: Tensor) -> bool:
+    """Whether ``tensor``'s values fill ``numel`` slots from its first address, once each."""
+    if tensor.is_contiguous():
+        return True
+    expected = 1
+    pairs = zip(tensor.stride(), tensor.shape, strict=True)
+    for stride, size in sorted((stride, size) for stride, size in pairs if size != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def _check(params: Sequence[Tensor], grads: Sequence[Tensor]) -> None:
+    device, dtype = params[0].device, params[0].dtype
+    _tl_dtype(dtype)
+    for index, (param, grad) in enumerate(zip(params, grads, strict=True)):
+        for name, tensor in (("params", param), ("grads", grad)):
+            if tensor.device != device or tensor.dtype != dtype:
+                raise ValueError(
+                    f"{name}[{index}] is a {tensor.dtype} tensor on {tensor.device}; one call "
+                    f"takes tensors of one device and dtype ({dtype} on {device})"
+                )
+        if grad.shape != param.shape:
+            raise ValueError(
+                f"grads[{index}] has shape {list(grad.shape)}, but params[{index}] has shape "
+                f"{list(param.shape)}"
+            )
+
+
+def lars_unit_(
+    params: list[Tensor],
+    grads: list[Tensor],
+    *,
+    threshold: float,
+    weight_decay: float,
+    eps: float,
+    trust_coefficient: float,
+    lr: float | Tensor | None,
+    clip: bool,
+    grad_scale: Tensor | None,
+    found_inf: Tensor | None,
+) -> Tensor:
+    r"""Rewrites each ``grads[i]`` in place as :math:`r_i\,(g_i / s + \beta w_i)`, in two launches.
+
+    The rate is the eager one: :math:`\lambda = \|w\| / ((\|g\| + \epsilon) + \beta \|w\|)`
+    times ``trust_coefficient``, then :math:`\min(\lambda / lr, 1)` with ``clip``, and 1
+    where :math:`\|w\| \le` ``threshold`` or, with ``eps == weight_decay == 0``, where the
+    denominator is 0. With ``grad_scale`` (:math:`s`, a GradScaler's scale) the gradients
+    arrive scaled: norms use :math:`g / s` and the written gradients are unscaled. With
+    ``found_inf`` (a 1-element float32 tensor), it is set to 1 if any written value is not
+    finite, and left alone otherwise. float16/bfloat16 are computed in float32 and rounded once.
+
+    Steady state: no host synchronization. The table of addresses is built on first use of a
+    set of tensors (one host-to-device copy, from pinned memory) and reused while the tensors
+    keep their addresses and sizes. Tensors that are not dense, or whose gradient is laid out
+    unlike the parameter, go through contiguous copies (and their tables are rebuilt each call).
+
+    Args:
+        params: the parameters :math:`w`, all of one device and floating dtype.
+        grads: their gradients :math:`g`, same shapes, device and dtype.
+        threshold: tensors with :math:`\|w\|` at most this keep rate 1.
+        weight_decay: :math:`\beta`.
+        eps: added to :math:`\|g\|` in the denominator.
+        trust_coefficient: multiplies the rate.
+        lr: the learning rate ``clip`` divides by (a float or a 1-element tensor).
+        clip: LARC's clipping mode; ignored when ``lr`` is None.
+        grad_scale: the scale the gradients carry, or None.
+        found_inf: the overflow flag to raise, or None.
+
+    Returns:
+        The rates, 1-D, one per tensor, in float32 for half dtypes and in the dtype otherwise.
+    """
+    if not params and not grads:
+        return torch.empty(0)
+    if len(params) != len(grads):
+        raise ValueError(
+            f"params and grads must pair up, got {len(params)} params and {len(grads)} grads"
+        )
+    device, dtype = params[0].device, params[0].dtype
+    acc = compute_dtype(dtype)
+    if found_inf is not None and (found_inf.dtype != torch.float32 or found_inf.numel() != 1):
+        raise ValueError(
+            "found_inf must be a 1-element float32 tensor (GradScaler's flag), got "
+            f"{found_inf.dtype} with {found_inf.numel()} elements"
+        )
+    originals: list[tuple[Tensor, Tensor]] = []
+    if not (all(map(Tensor.is_contiguous, params)) and all(map(Tensor.is_contiguous, grads))):
+        params, grads = list(params), list(grads)
+        for i, (param, grad) in enumerate(zip(params, grads, strict=True)):
+            if not (_dense(param) and param.stride() == grad.stride()):
+                params[i] = param.contiguous()
+                grads[i] = grad.contiguous()
+                if grads[i] is not grad:
+                    originals.append((grad, grads[i]))
+    table = _table(params, grads)
+    partials = torch.empty(2 * table.chunks, dtype=acc, device=device)
+    rates = torch.empty(len(params), dtype=acc, device=device)
+    scale = grad_scale.to(device) if grad_scale is not None else None
+    lr_is_tensor = isinstance(lr, Tensor)
+    lr_tensor = lr.to(device, acc) if isinstance(lr, Tensor) else None
+    clipping = clip and lr is not None
+    dtype_tl, acc_tl = _tl_dtype(dtype), acc_dtype(dtype)
+    grid = (table.chunks,)
+    with on_device(device):
+        _partial_squares[grid](
+            table.w_ptrs,
+            table.g_ptrs,
+            table.numels,
+            table.chunk_tensor,
+            table.chunk_start,
+            partials,
+            dtype=dtype_tl,
+            acc=acc_tl,
+            block=_BLOCK,
+            chunk_size=_CHUNK,
+        )
+        _scale[grid](
+            table.w_ptrs,
+            table.g_ptrs,
+            table.numels,
+            table.first_chunk,
+            table.chunk_tensor,
+            table.chunk_start,
+            partials,
+            rates,
+            scale if scale is not None else rates,
+            lr_tensor if lr_tensor is not None else rates,
+            found_inf if found_inf is not None else rates,
+            bits(threshold),
+            bits(weight_decay),
+            bits(eps),
+            bits(trust_coefficient),
+            bits(lr) if clipping and not lr_is_tensor else 0,  # type: ignore[arg-type]
+            dtype=dtype_tl,
+            acc=acc_tl,
+            block=_BLOCK,
+            chunk_size=_CHUNK,
+            partials_block=_PARTIALS_BLOCK,
+            has_decay=weight_decay != 0,
+            has_trust=trust_coefficient != 1,
+            clip=clipping,
+            lr_is_tensor=lr_is_tensor,
+            zero_denominator_is_one=eps == 0 and weight_decay == 0,
+            scaled=scale is not None,
+            flag_overflow=found_inf is not None,
+        )
+    for grad, copy in originals:
+        grad.copy_(copy)
+    return rates
