@@ -536,6 +536,79 @@ def test_fused_amp_path_keeps_small_half_precision_gradients() -> None:
     torch.testing.assert_close(param.grad, expected.to(torch.float16), rtol=0, atol=0)
 
 
+def test_fp16_fused_adam_under_grad_scaler_matches_unscaled_float32() -> None:
+    """Issue #10: scaled gradients made scale * rate * (g + wd * w) overflow float16."""
+    embedding = nn.Embedding(1000, 64).half()
+    start = embedding.weight.detach().float().clone()
+    optimizer = torch.optim.Adam(embedding.parameters(), lr=1e-3, fused=True)
+    GradientLARS(weight_decay=1e-4).attach(optimizer)
+    scaler = torch.amp.GradScaler("cpu")
+    scale = scaler.get_scale()
+    scaler.scale(embedding(torch.randint(0, 1000, (256,))).float().square().mean()).backward()
+    true_grad = embedding.weight.grad.float() / scale
+    scaler.step(optimizer)
+    scaler.update()
+    assert torch.isfinite(embedding.weight).all()
+    assert scaler.get_scale() == scale  # the step was not skipped
+    expected = nn.Parameter(start.clone())
+    expected.grad = reference(start, true_grad, weight_decay=1e-4)[0].float()
+    torch.optim.Adam([expected], lr=1e-3).step()
+    torch.testing.assert_close(embedding.weight.detach(), expected.detach().half(), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(
+    "optimizer_class",
+    [torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD],
+    ids=["adam", "adamw", "sgd"],
+)
+def test_fused_optimizers_under_grad_scaler_match_unscaled(
+    optimizer_class: type[torch.optim.Optimizer],
+) -> None:
+    """Both groups, the scaled one and the one the hook skips, must reach the step unscaled."""
+
+    def make(fused: bool) -> Callable[[nn.Module], torch.optim.Optimizer]:
+        def build(m: nn.Module) -> torch.optim.Optimizer:
+            groups = lars_param_groups(m)
+            optimizer = optimizer_class(groups, lr=1e-2, weight_decay=0.0, fused=fused)
+            GradientLARS(weight_decay=1e-2).attach(optimizer)
+            return optimizer
+
+        return build
+
+    assert_grad_scaler_matches_unscaled(
+        mlp(), torch.randn(16, 5), make(True), make(False), rtol=1e-5, atol=1e-6
+    )
+
+
+def overflowing_fp16_step(inf_in_grad: bool) -> tuple[nn.Parameter, torch.optim.Optimizer, float]:
+    """A fused Adam step whose hooked gradient overflows float16 (rate * g near 1e6)."""
+    param = nn.Parameter(torch.ones(4, 4, dtype=torch.float16))
+    optimizer = torch.optim.Adam([param], lr=0.1, fused=True)
+    GradientLARS(trust_coefficient=1e6).attach(optimizer)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    scaler.scale((param.float() * torch.randn(4, 4)).sum()).backward()
+    if inf_in_grad:
+        param.grad[0, 0] = math.inf
+    scaler.step(optimizer)
+    scaler.update()
+    return param, optimizer, scaler.get_scale()
+
+
+def test_overflow_in_the_hooked_gradient_skips_the_fused_step() -> None:
+    param, optimizer, scale = overflowing_fp16_step(inf_in_grad=False)
+    torch.testing.assert_close(param.detach(), torch.ones(4, 4, dtype=torch.float16))
+    assert optimizer.state[param]["step"].item() == 0
+    assert scale == 1024.0  # the scaled gradients were finite: the scale stays
+
+
+def test_overflow_in_both_skips_once() -> None:
+    """found_inf is raised with a max: 2 would make fused Adam's step count -1."""
+    param, optimizer, scale = overflowing_fp16_step(inf_in_grad=True)
+    torch.testing.assert_close(param.detach(), torch.ones(4, 4, dtype=torch.float16))
+    assert optimizer.state[param]["step"].item() == 0
+    assert scale == 512.0
+
+
 def test_deprecated_grad_scaler_kwarg_is_refused() -> None:
     optimizer = torch.optim.SGD(mlp().parameters(), lr=0.1)
     GradientLARS().attach(optimizer)
