@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import math
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -731,6 +732,65 @@ def test_attach_twice() -> None:
         hook.attach(optimizer)
 
 
+def test_second_instance_on_one_optimizer_refused() -> None:
+    """Issue #10: two GradientLARS on one optimizer would scale every gradient twice."""
+    param = param_with_grad(4, 4)
+    expected, _ = reference(param, param.grad)
+    optimizer = torch.optim.SGD([param], lr=0.0)
+    first = GradientLARS().attach(optimizer)
+    with pytest.raises(
+        RuntimeError,
+        match=r"another GradientLARS \(GradientLARS\(threshold=0\.01.*\) is already attached "
+        r"to this SGD; two would apply LARS twice\. Remove the first one",
+    ):
+        GradientLARS(weight_decay=1e-3).attach(optimizer)
+    optimizer.step()  # scaled once: the refused hook registered nothing
+    torch.testing.assert_close(param.grad, expected.float())
+    first.remove()
+    GradientLARS().attach(optimizer)
+
+
+@pytest.mark.parametrize(
+    ("group", "hook_decay", "warns"),
+    [
+        ({"weight_decay": 1e-4}, 5e-4, True),
+        ({"weight_decay": 1e-4, "lars_weight_decay": 0.0}, 5e-4, False),
+        ({"weight_decay": 1e-4, "lars": False}, 5e-4, False),
+        ({"weight_decay": 0.0}, 5e-4, False),
+        ({"weight_decay": 1e-4}, 0.0, False),
+        ({"weight_decay": 0.0, "lars_weight_decay": 1e-3}, 0.0, False),
+    ],
+    ids=["both", "hook-off-in-group", "group-opts-out", "optimizer-off", "hook-off", "override"],
+)
+def test_optimizer_decay_under_hook_decay_warns_once(
+    group: dict[str, Any], hook_decay: float, warns: bool
+) -> None:
+    param = param_with_grad(3, 3)
+    optimizer = torch.optim.SGD([{"params": [param], **group}], lr=0.1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        GradientLARS(weight_decay=hook_decay).attach(optimizer)
+        optimizer.step()
+        optimizer.step()
+    messages = [str(w.message) for w in caught if issubclass(w.category, UserWarning)]
+    if not warns:
+        assert messages == []
+        return
+    assert len(messages) == 1
+    assert messages[0].startswith(
+        "param group 0: the optimizer's \"weight_decay\"=0.0001 and GradientLARS's "
+        "weight_decay=0.0005 both decay these parameters, so decay would be applied twice"
+    )
+
+
+def test_group_added_later_with_its_own_decay_warns_at_the_next_step() -> None:
+    optimizer = torch.optim.SGD([param_with_grad(3, 3)], lr=0.1)
+    GradientLARS(weight_decay=1e-3).attach(optimizer)
+    optimizer.add_param_group({"params": [param_with_grad(2, 2)], "weight_decay": 1e-2})
+    with pytest.warns(UserWarning, match=r"param group 1: the optimizer's \"weight_decay\"=0\.01"):
+        optimizer.step()
+
+
 def test_complex_parameter_refused_at_attach() -> None:
     optimizer = torch.optim.SGD([nn.Parameter(torch.randn(3, dtype=torch.complex64))], lr=0.1)
     with pytest.raises(TypeError, match="parameter 0 of param group 0 must be a real floating"):
@@ -756,6 +816,29 @@ def test_sparse_gradient_refused_and_nothing_changed() -> None:
     torch.testing.assert_close(dense.grad, before, rtol=0, atol=0)
     with pytest.raises(ValueError, match=r"parameters\[0\] has a torch.sparse_coo gradient"):
         lars_([embedding.weight])
+
+
+def test_sparse_gradient_in_a_later_group_changes_nothing() -> None:
+    """Issue #10: the error names the fix, and no gradient, parameter or state changes."""
+    dense = param_with_grad(4, 4)
+    embedding = nn.Embedding(10, 3, sparse=True)
+    optimizer = torch.optim.Adam([{"params": [dense]}, {"params": [embedding.weight]}], lr=0.1)
+    GradientLARS().attach(optimizer)
+    embedding.weight.grad = None
+    optimizer.step()  # state for the dense parameter
+    state = copy.deepcopy(optimizer.state_dict())
+    embedding(torch.tensor([1, 2])).sum().backward()
+    before = [t.detach().clone() for t in (dense, dense.grad, embedding.weight)]
+    with pytest.raises(
+        ValueError,
+        match=r"parameter 0 of param group 1 has a torch\.sparse_coo gradient; LARS needs dense "
+        r"gradients \(use sparse=False in nn\.Embedding / nn\.EmbeddingBag\)\. No gradient "
+        "or parameter was changed",
+    ):
+        optimizer.step()
+    for tensor, old in zip((dense, dense.grad, embedding.weight), before, strict=True):
+        torch.testing.assert_close(tensor.detach(), old, rtol=0, atol=0)
+    assert str(optimizer.state_dict()) == str(state)
 
 
 def test_unknown_group_key_refused_at_attach() -> None:
