@@ -215,6 +215,46 @@ def test_half_precision_matches_float32_within_rounding(dtype: torch.dtype) -> N
     torch.testing.assert_close(param.grad, expected.to(dtype), rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("foreach", [None, True, False], ids=["auto", "foreach", "per-tensor"])
+@pytest.mark.parametrize(
+    "dtype", [torch.float32, torch.float64, torch.bfloat16], ids=["fp32", "fp64", "bf16"]
+)
+def test_foreach_modes_match_formula(foreach: bool | None, dtype: torch.dtype) -> None:
+    # 200 x 200 is above the size the CPU path takes as one dot product.
+    params = [param_with_grad(200, 200), param_with_grad(7, 3), param_with_grad(5)]
+    params = [nn.Parameter(p.detach().to(dtype)) for p in params]
+    for param in params:
+        param.grad = torch.randn(param.shape).to(dtype)
+    expected = [reference(p, p.grad, weight_decay=1e-2) for p in params]
+    rates = lars_(params, weight_decay=1e-2, foreach=foreach)
+    rtol = {torch.float64: 1e-12, torch.float32: 2e-6, torch.bfloat16: 2e-6}[dtype]
+    torch.testing.assert_close(
+        rates.double(),
+        torch.tensor([r for _, r in expected], dtype=torch.float64),
+        rtol=rtol,
+        atol=0,
+    )
+    for param, (grad, _) in zip(params, expected, strict=True):
+        if dtype == torch.bfloat16:  # within one rounding of the float32 computation
+            torch.testing.assert_close(param.grad.double(), grad, rtol=2**-7, atol=1e-6)
+        else:
+            torch.testing.assert_close(param.grad.double(), grad, rtol=rtol, atol=rtol * 1e-3)
+
+
+def test_per_tensor_fallback_under_grad_scaler_matches_unscaled() -> None:
+    def make(fused: bool) -> Callable[[nn.Module], torch.optim.Optimizer]:
+        def build(m: nn.Module) -> torch.optim.Optimizer:
+            optimizer = torch.optim.Adam(lars_param_groups(m), lr=1e-2, fused=fused)
+            GradientLARS(weight_decay=1e-2, foreach=False).attach(optimizer)
+            return optimizer
+
+        return build
+
+    assert_grad_scaler_matches_unscaled(
+        mlp(), torch.randn(16, 5), make(True), make(False), rtol=1e-5, atol=1e-6
+    )
+
+
 # --- the hook on optimizers ----------------------------------------------------------------
 
 
@@ -701,6 +741,13 @@ def test_functional_traces_without_graph_breaks() -> None:
 def test_constructor_errors(kwargs: dict[str, Any], error: type[Exception], match: str) -> None:
     with pytest.raises(error, match=match):
         GradientLARS(**kwargs)
+
+
+def test_foreach_must_be_bool_or_none() -> None:
+    with pytest.raises(TypeError, match="foreach must be a bool or None, got foreach='yes'"):
+        GradientLARS(foreach="yes")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="foreach must be a bool or None, got foreach=1"):
+        lars_([param_with_grad(3)], foreach=1)  # type: ignore[arg-type]
 
 
 def test_lars_functional_checks_arguments() -> None:
