@@ -72,6 +72,10 @@ def euclidean_norms(tensors: list[Tensor], foreach: bool | None = None) -> Tenso
 
     ``foreach=False`` takes one norm per tensor; ``True`` one multi-tensor call; ``None`` the
     fastest measured mix (on the CPU, large tensors as one dot each).
+
+    Example:
+        >>> euclidean_norms([torch.full((2, 2), 1.5), torch.tensor([3.0, 4.0])])
+        tensor([3., 5.])
     """
     dtype = tensors[0].dtype
     acc = compute_dtype(dtype)
@@ -152,6 +156,7 @@ class _Unit:
     params: list[Tensor]
     grads: list[Tensor]
     reduce: tuple[Any, tuple[int, ...]] | None
+    reduce_key: Any = None
     norms: tuple[Tensor, Tensor] | None = None
 
 
@@ -218,10 +223,11 @@ def _units(params: Sequence[Tensor], where: Callable[[int], str], technique: str
         if dtensor is not None and isinstance(param, dtensor):
             reduce = _sharding(param, where(index), technique)
             local, grad = local.to_local(), grad.to_local()
-        key = (local.device, local.dtype, None if reduce is None else _reduce_key(reduce, keys))
+        reduce_key = None if reduce is None else _reduce_key(reduce, keys)
+        key = (local.device, local.dtype, reduce_key)
         unit = units.get(key)
         if unit is None:
-            unit = units[key] = _Unit([], [], [], reduce)
+            unit = units[key] = _Unit([], [], [], reduce, reduce_key)
         unit.indices.append(index)
         unit.params.append(local)
         unit.grads.append(grad)
@@ -236,14 +242,13 @@ def _reduce_norms_(units: list[_Unit], foreach: bool | None) -> None:
     """
     squares: dict[int, Tensor] = {}
     together: dict[Any, list[int]] = {}
-    keys: dict[Any, Any] = {}
     for position, unit in enumerate(units):
         if unit.reduce is None:
             continue
         squares[position] = torch.cat(
             [euclidean_norms(unit.params, foreach), euclidean_norms(unit.grads, foreach)]
         ).square()
-        together.setdefault(_reduce_key(unit.reduce, keys), []).append(position)
+        together.setdefault(unit.reduce_key, []).append(position)
     for positions in together.values():
         mesh, dims = units[positions[0]].reduce  # type: ignore[misc]
         parts = [squares[p] for p in positions]

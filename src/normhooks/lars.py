@@ -133,6 +133,7 @@ def lars_unit_(
     rates = lars_rates(w_norm, g_norm, settings, lr)
     _update_(params, grads, rates, settings.weight_decay, grad_scale, foreach)
     if found_inf is not None:
+        # GradScaler's check-and-unscale op, by one: torch has no other multi-tensor check.
         unscale_and_check_(grads, found_inf, torch.ones_like(found_inf), foreach)
     return rates
 
