@@ -253,7 +253,71 @@ def stale_eval_outputs(mesh: Any, fully_shard: Callable[..., Any]) -> int:
     return wrong
 
 
-SCENARIOS: dict[str, Callable[[int, int, Path], dict[str, Any]]] = {"ddp": ddp, "fsdp": fsdp}
+def make_mlp(seed: int = 0) -> nn.Module:
+    """Four linear layers with odd sizes (uneven shards), for one fully_shard call each.
+
+    lars_param_groups puts the last weight (1 row) and the biases in the group LARS skips, so
+    the hook scales three sharded weights, from three meshes.
+    """
+    torch.manual_seed(seed)
+    return nn.Sequential(
+        nn.Flatten(),
+        nn.Linear(3 * 6 * 6, 7),
+        nn.Tanh(),
+        nn.Linear(7, 5),
+        nn.Tanh(),
+        nn.Linear(5, 3),
+        nn.Tanh(),
+        nn.Linear(3, 1),
+    )
+
+
+def fsdp_mesh_per_call(rank: int, world: int, out: Path) -> dict[str, Any]:
+    """GradientLARS with ``fully_shard(layer)`` per layer and no ``mesh=``.
+
+    Each of those calls builds its own DeviceMesh over the same ranks; the all-reduces the
+    hook issues are counted by wrapping ``torch.distributed.all_reduce`` during each step.
+    """
+    from torch.distributed.fsdp import fully_shard
+
+    model = make_mlp()
+    for layer in model:
+        if any(True for _ in layer.parameters()):
+            fully_shard(layer)
+    fully_shard(model)
+    meshes = {id(p.device_mesh) for p in model.parameters()}  # type: ignore[attr-defined]
+    _, batches = data()
+    all_reduces: list[int] = []
+    original = dist.all_reduce
+
+    def counted_step(step: int, optimizer: torch.optim.Optimizer, hook: GradientLARS) -> None:
+        calls = []
+
+        def counting(*args: Any, **kwargs: Any) -> Any:
+            calls.append(1)
+            return original(*args, **kwargs)
+
+        dist.all_reduce = counting  # type: ignore[assignment]
+        try:
+            optimizer.step()
+        finally:
+            dist.all_reduce = original
+        all_reduces.append(len(calls))
+
+    rates = train(model, model, batches, lambda t: half(t, rank, world), counted_step)
+    return {
+        "meshes": len(meshes),
+        "all_reduces": all_reduces,
+        "rates": rates,
+        "params": full_parameters(model),
+    }
+
+
+SCENARIOS: dict[str, Callable[[int, int, Path], dict[str, Any]]] = {
+    "ddp": ddp,
+    "fsdp": fsdp,
+    "fsdp_mesh_per_call": fsdp_mesh_per_call,
+}
 
 
 def rank_entry(rank: int, world: int, port: int, scenario: str, out_dir: str) -> None:

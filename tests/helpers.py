@@ -130,3 +130,18 @@ def input_for(layer: nn.Module, dtype: torch.dtype = torch.float32) -> tuple[tor
     assert isinstance(layer, nn.modules.conv._ConvNd)
     spatial = (5,) * len(layer.kernel_size)
     return (torch.randn(2, layer.in_channels, *spatial, dtype=dtype),)
+
+
+def small_cnn() -> nn.Sequential:
+    """Every layer kind the reparametrizations convert by default, small enough for float64:
+    a convolution, a transposed convolution, a strided convolution and a lazy linear head."""
+    return nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1),
+        nn.GroupNorm(2, 8),
+        nn.ReLU(),
+        nn.ConvTranspose2d(8, 8, 2, stride=2),
+        nn.Conv2d(8, 16, 3, stride=2, padding=1),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.LazyLinear(2),
+    )

@@ -92,6 +92,28 @@ def reference() -> dict[str, Any]:
     }
 
 
+@pytest.fixture(scope="module")
+def fsdp_mesh_per_call(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    return spawn("fsdp_mesh_per_call", tmp_path_factory.mktemp("fsdp_mesh_per_call"))
+
+
+@pytest.fixture(scope="module")
+def mlp_reference() -> dict[str, Any]:
+    """worker.make_mlp trained by one process on the full batches."""
+    model = worker.make_mlp()
+    _, batches = worker.data()
+    optimizer = torch.optim.SGD(lars_param_groups(model), lr=worker.LR, momentum=worker.MOMENTUM)
+    hook = GradientLARS(weight_decay=worker.WEIGHT_DECAY)
+    hook.attach(optimizer)
+    rates = []
+    for x, y in batches:
+        optimizer.zero_grad()
+        F.mse_loss(model(x), y).backward()
+        optimizer.step()
+        rates.append([r.clone() for r in hook.last_rates])
+    return {"rates": rates, "params": worker.full_parameters(model)}
+
+
 def assert_close_relative(actual: torch.Tensor, expected: torch.Tensor, rel: float = 1e-5) -> None:
     scale = max(expected.abs().max().item(), 1e-12) if expected.numel() else 1.0
     torch.testing.assert_close(actual, expected, rtol=0, atol=rel * scale)
@@ -180,3 +202,22 @@ def test_reparametrizing_after_wrapping_is_refused(
     )
     for message in fsdp[0]["refused_after_shard"].split("|"):
         assert "is a DTensor: the model is already sharded by fully_shard. Apply" in message
+
+
+def test_lars_one_all_reduce_per_step_with_a_mesh_per_fully_shard_call(
+    fsdp_mesh_per_call: list[dict[str, Any]],
+) -> None:
+    """Issue #10: grouping by mesh object gave one all-reduce per fully_shard call."""
+    for rank in fsdp_mesh_per_call:
+        assert rank["meshes"] == 4  # the setup this test is about: one mesh object per call
+        assert rank["all_reduces"] == [1] * worker.STEPS
+
+
+def test_lars_with_a_mesh_per_fully_shard_call_matches_one_process(
+    fsdp_mesh_per_call: list[dict[str, Any]], mlp_reference: dict[str, Any]
+) -> None:
+    for rank in fsdp_mesh_per_call:
+        assert_same_tensors(rank["params"], mlp_reference["params"])
+        for got, expected in zip(rank["rates"], mlp_reference["rates"], strict=True):
+            for got_group, expected_group in zip(got, expected, strict=True):
+                assert_close_relative(got_group, expected_group)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import math
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -214,6 +215,46 @@ def test_half_precision_matches_float32_within_rounding(dtype: torch.dtype) -> N
     torch.testing.assert_close(param.grad, expected.to(dtype), rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("foreach", [None, True, False], ids=["auto", "foreach", "per-tensor"])
+@pytest.mark.parametrize(
+    "dtype", [torch.float32, torch.float64, torch.bfloat16], ids=["fp32", "fp64", "bf16"]
+)
+def test_foreach_modes_match_formula(foreach: bool | None, dtype: torch.dtype) -> None:
+    # 200 x 200 is above the size the CPU path takes as one dot product.
+    params = [param_with_grad(200, 200), param_with_grad(7, 3), param_with_grad(5)]
+    params = [nn.Parameter(p.detach().to(dtype)) for p in params]
+    for param in params:
+        param.grad = torch.randn(param.shape).to(dtype)
+    expected = [reference(p, p.grad, weight_decay=1e-2) for p in params]
+    rates = lars_(params, weight_decay=1e-2, foreach=foreach)
+    rtol = {torch.float64: 1e-12, torch.float32: 2e-6, torch.bfloat16: 2e-6}[dtype]
+    torch.testing.assert_close(
+        rates.double(),
+        torch.tensor([r for _, r in expected], dtype=torch.float64),
+        rtol=rtol,
+        atol=0,
+    )
+    for param, (grad, _) in zip(params, expected, strict=True):
+        if dtype == torch.bfloat16:  # within one rounding of the float32 computation
+            torch.testing.assert_close(param.grad.double(), grad, rtol=2**-7, atol=1e-6)
+        else:
+            torch.testing.assert_close(param.grad.double(), grad, rtol=rtol, atol=rtol * 1e-3)
+
+
+def test_per_tensor_fallback_under_grad_scaler_matches_unscaled() -> None:
+    def make(fused: bool) -> Callable[[nn.Module], torch.optim.Optimizer]:
+        def build(m: nn.Module) -> torch.optim.Optimizer:
+            optimizer = torch.optim.Adam(lars_param_groups(m), lr=1e-2, fused=fused)
+            GradientLARS(weight_decay=1e-2, foreach=False).attach(optimizer)
+            return optimizer
+
+        return build
+
+    assert_grad_scaler_matches_unscaled(
+        mlp(), torch.randn(16, 5), make(True), make(False), rtol=1e-5, atol=1e-6
+    )
+
+
 # --- the hook on optimizers ----------------------------------------------------------------
 
 
@@ -240,6 +281,8 @@ def hooked_grads_reference(model: nn.Module, **lars: Any) -> Callable[[], None]:
     ],
     ids=["sgd", "sgd-nesterov-loop", "adamw", "rmsprop", "adagrad"],
 )
+# AdamW's default weight_decay=1e-2 decays on top of the hook's, which the hook warns about.
+@pytest.mark.filterwarnings("ignore:param group 0.*both decay:UserWarning")
 def test_composes_with_optimizers(make_optimizer: Callable[[Any], torch.optim.Optimizer]) -> None:
     model = mlp()
     manual = copy.deepcopy(model)
@@ -519,18 +562,92 @@ def test_grad_scaler_gives_unscaled_result(fused: bool) -> None:
 
 
 def test_fused_amp_path_keeps_small_half_precision_gradients() -> None:
-    """Grads stay scaled (never divided in place), so values below fp16's range survive."""
+    """True gradients below float16's range are unscaled in float32, not in the grad's dtype."""
     param = nn.Parameter(torch.full((3,), 0.5, dtype=torch.float16))
     scale = torch.tensor(65536.0)
-    true_grad = torch.full((3,), 2e-8)
+    true_grad = torch.full((3,), 2e-8)  # below float16's smallest subnormal, 6e-8
     param.grad = (true_grad * scale).to(torch.float16)
     optimizer = torch.optim.SGD([param], lr=0.1)
     optimizer.grad_scale = scale  # what GradScaler sets for a fused optimizer
     hook = GradientLARS(weight_decay=1e-3)
     hook.attach(optimizer)
-    hook._pre_step(optimizer, (optimizer,), {})
     expected, _ = reference(param.float(), param.grad.float() / scale, weight_decay=1e-3)
-    torch.testing.assert_close(param.grad.float() / scale, expected.float(), rtol=2e-3, atol=0)
+    hook._pre_step(optimizer, (optimizer,), {})
+    assert optimizer.grad_scale is None
+    torch.testing.assert_close(param.grad, expected.to(torch.float16), rtol=0, atol=0)
+
+
+def test_fp16_fused_adam_under_grad_scaler_matches_unscaled_float32() -> None:
+    """Issue #10: scaled gradients made scale * rate * (g + wd * w) overflow float16."""
+    embedding = nn.Embedding(1000, 64).half()
+    start = embedding.weight.detach().float().clone()
+    optimizer = torch.optim.Adam(embedding.parameters(), lr=1e-3, fused=True)
+    GradientLARS(weight_decay=1e-4).attach(optimizer)
+    scaler = torch.amp.GradScaler("cpu")
+    scale = scaler.get_scale()
+    scaler.scale(embedding(torch.randint(0, 1000, (256,))).float().square().mean()).backward()
+    true_grad = embedding.weight.grad.float() / scale
+    scaler.step(optimizer)
+    scaler.update()
+    assert torch.isfinite(embedding.weight).all()
+    assert scaler.get_scale() == scale  # the step was not skipped
+    expected = nn.Parameter(start.clone())
+    expected.grad = reference(start, true_grad, weight_decay=1e-4)[0].float()
+    torch.optim.Adam([expected], lr=1e-3).step()
+    torch.testing.assert_close(embedding.weight.detach(), expected.detach().half(), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(
+    "optimizer_class",
+    [torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD],
+    ids=["adam", "adamw", "sgd"],
+)
+def test_fused_optimizers_under_grad_scaler_match_unscaled(
+    optimizer_class: type[torch.optim.Optimizer],
+) -> None:
+    """Both groups, the scaled one and the one the hook skips, must reach the step unscaled."""
+
+    def make(fused: bool) -> Callable[[nn.Module], torch.optim.Optimizer]:
+        def build(m: nn.Module) -> torch.optim.Optimizer:
+            groups = lars_param_groups(m)
+            optimizer = optimizer_class(groups, lr=1e-2, weight_decay=0.0, fused=fused)
+            GradientLARS(weight_decay=1e-2).attach(optimizer)
+            return optimizer
+
+        return build
+
+    assert_grad_scaler_matches_unscaled(
+        mlp(), torch.randn(16, 5), make(True), make(False), rtol=1e-5, atol=1e-6
+    )
+
+
+def overflowing_fp16_step(inf_in_grad: bool) -> tuple[nn.Parameter, torch.optim.Optimizer, float]:
+    """A fused Adam step whose hooked gradient overflows float16 (rate * g near 1e6)."""
+    param = nn.Parameter(torch.ones(4, 4, dtype=torch.float16))
+    optimizer = torch.optim.Adam([param], lr=0.1, fused=True)
+    GradientLARS(trust_coefficient=1e6).attach(optimizer)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    scaler.scale((param.float() * torch.randn(4, 4)).sum()).backward()
+    if inf_in_grad:
+        param.grad[0, 0] = math.inf
+    scaler.step(optimizer)
+    scaler.update()
+    return param, optimizer, scaler.get_scale()
+
+
+def test_overflow_in_the_hooked_gradient_skips_the_fused_step() -> None:
+    param, optimizer, scale = overflowing_fp16_step(inf_in_grad=False)
+    torch.testing.assert_close(param.detach(), torch.ones(4, 4, dtype=torch.float16))
+    assert optimizer.state[param]["step"].item() == 0
+    assert scale == 1024.0  # the scaled gradients were finite: the scale stays
+
+
+def test_overflow_in_both_skips_once() -> None:
+    """found_inf is raised with a max: 2 would make fused Adam's step count -1."""
+    param, optimizer, scale = overflowing_fp16_step(inf_in_grad=True)
+    torch.testing.assert_close(param.detach(), torch.ones(4, 4, dtype=torch.float16))
+    assert optimizer.state[param]["step"].item() == 0
+    assert scale == 512.0
 
 
 def test_deprecated_grad_scaler_kwarg_is_refused() -> None:
@@ -626,6 +743,13 @@ def test_constructor_errors(kwargs: dict[str, Any], error: type[Exception], matc
         GradientLARS(**kwargs)
 
 
+def test_foreach_must_be_bool_or_none() -> None:
+    with pytest.raises(TypeError, match="foreach must be a bool or None, got foreach='yes'"):
+        GradientLARS(foreach="yes")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="foreach must be a bool or None, got foreach=1"):
+        lars_([param_with_grad(3)], foreach=1)  # type: ignore[arg-type]
+
+
 def test_lars_functional_checks_arguments() -> None:
     param = param_with_grad(3)
     with pytest.raises(ValueError, match="weight_decay must be non-negative"):
@@ -655,6 +779,65 @@ def test_attach_twice() -> None:
         hook.attach(optimizer)
 
 
+def test_second_instance_on_one_optimizer_refused() -> None:
+    """Issue #10: two GradientLARS on one optimizer would scale every gradient twice."""
+    param = param_with_grad(4, 4)
+    expected, _ = reference(param, param.grad)
+    optimizer = torch.optim.SGD([param], lr=0.0)
+    first = GradientLARS().attach(optimizer)
+    with pytest.raises(
+        RuntimeError,
+        match=r"another GradientLARS \(GradientLARS\(threshold=0\.01.*\) is already attached "
+        r"to this SGD; two would apply LARS twice\. Remove the first one",
+    ):
+        GradientLARS(weight_decay=1e-3).attach(optimizer)
+    optimizer.step()  # scaled once: the refused hook registered nothing
+    torch.testing.assert_close(param.grad, expected.float())
+    first.remove()
+    GradientLARS().attach(optimizer)
+
+
+@pytest.mark.parametrize(
+    ("group", "hook_decay", "warns"),
+    [
+        ({"weight_decay": 1e-4}, 5e-4, True),
+        ({"weight_decay": 1e-4, "lars_weight_decay": 0.0}, 5e-4, False),
+        ({"weight_decay": 1e-4, "lars": False}, 5e-4, False),
+        ({"weight_decay": 0.0}, 5e-4, False),
+        ({"weight_decay": 1e-4}, 0.0, False),
+        ({"weight_decay": 0.0, "lars_weight_decay": 1e-3}, 0.0, False),
+    ],
+    ids=["both", "hook-off-in-group", "group-opts-out", "optimizer-off", "hook-off", "override"],
+)
+def test_optimizer_decay_under_hook_decay_warns_once(
+    group: dict[str, Any], hook_decay: float, warns: bool
+) -> None:
+    param = param_with_grad(3, 3)
+    optimizer = torch.optim.SGD([{"params": [param], **group}], lr=0.1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        GradientLARS(weight_decay=hook_decay).attach(optimizer)
+        optimizer.step()
+        optimizer.step()
+    messages = [str(w.message) for w in caught if issubclass(w.category, UserWarning)]
+    if not warns:
+        assert messages == []
+        return
+    assert len(messages) == 1
+    assert messages[0].startswith(
+        "param group 0: the optimizer's \"weight_decay\"=0.0001 and GradientLARS's "
+        "weight_decay=0.0005 both decay these parameters, so decay would be applied twice"
+    )
+
+
+def test_group_added_later_with_its_own_decay_warns_at_the_next_step() -> None:
+    optimizer = torch.optim.SGD([param_with_grad(3, 3)], lr=0.1)
+    GradientLARS(weight_decay=1e-3).attach(optimizer)
+    optimizer.add_param_group({"params": [param_with_grad(2, 2)], "weight_decay": 1e-2})
+    with pytest.warns(UserWarning, match=r"param group 1: the optimizer's \"weight_decay\"=0\.01"):
+        optimizer.step()
+
+
 def test_complex_parameter_refused_at_attach() -> None:
     optimizer = torch.optim.SGD([nn.Parameter(torch.randn(3, dtype=torch.complex64))], lr=0.1)
     with pytest.raises(TypeError, match="parameter 0 of param group 0 must be a real floating"):
@@ -680,6 +863,29 @@ def test_sparse_gradient_refused_and_nothing_changed() -> None:
     torch.testing.assert_close(dense.grad, before, rtol=0, atol=0)
     with pytest.raises(ValueError, match=r"parameters\[0\] has a torch.sparse_coo gradient"):
         lars_([embedding.weight])
+
+
+def test_sparse_gradient_in_a_later_group_changes_nothing() -> None:
+    """Issue #10: the error names the fix, and no gradient, parameter or state changes."""
+    dense = param_with_grad(4, 4)
+    embedding = nn.Embedding(10, 3, sparse=True)
+    optimizer = torch.optim.Adam([{"params": [dense]}, {"params": [embedding.weight]}], lr=0.1)
+    GradientLARS().attach(optimizer)
+    embedding.weight.grad = None
+    optimizer.step()  # state for the dense parameter
+    state = copy.deepcopy(optimizer.state_dict())
+    embedding(torch.tensor([1, 2])).sum().backward()
+    before = [t.detach().clone() for t in (dense, dense.grad, embedding.weight)]
+    with pytest.raises(
+        ValueError,
+        match=r"parameter 0 of param group 1 has a torch\.sparse_coo gradient; LARS needs dense "
+        r"gradients \(use sparse=False in nn\.Embedding / nn\.EmbeddingBag\)\. No gradient "
+        "or parameter was changed",
+    ):
+        optimizer.step()
+    for tensor, old in zip((dense, dense.grad, embedding.weight), before, strict=True):
+        torch.testing.assert_close(tensor.detach(), old, rtol=0, atol=0)
+    assert str(optimizer.state_dict()) == str(state)
 
 
 def test_unknown_group_key_refused_at_attach() -> None:

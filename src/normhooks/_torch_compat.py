@@ -89,3 +89,26 @@ def dtensor_type() -> Any:
 def is_functorch_wrapped(tensor: Tensor) -> bool:
     """Whether ``tensor`` is a torch.func transform's wrapper (vmap, grad) (2.11, 2.13)."""
     return bool(torch._C._functorch.is_functorch_wrapped_tensor(tensor))
+
+
+def clear_grad_scale(optimizer: torch.optim.Optimizer) -> None:
+    """Tells a fused optimizer that its gradients are no longer scaled (2.11, 2.13).
+
+    Fused steps divide by ``optimizer.grad_scale`` when it is a tensor and skip the division
+    when it is None; ``GradScaler.step`` deletes the attribute after the step either way.
+    """
+    optimizer.grad_scale = None  # type: ignore[attr-defined]
+
+
+def non_finite_check_and_unscale_(
+    tensors: list[Tensor], found_inf: Tensor, inv_scale: Tensor
+) -> None:
+    """``t *= inv_scale`` in place, and ``found_inf = 1`` where any ``t`` is inf or NaN.
+
+    GradScaler's own multi-tensor op (``torch._amp_foreach_non_finite_check_and_unscale_``,
+    2.11, 2.13): it computes in float32 for float16/bfloat16 tensors and rounds once, sets
+    ``found_inf`` to 1 (never adds to it), and never reads a value back to the host. All
+    ``tensors`` share one device and dtype; ``found_inf`` and ``inv_scale`` are one-element
+    float32 tensors on that device.
+    """
+    torch._amp_foreach_non_finite_check_and_unscale_(tensors, found_inf, inv_scale)

@@ -6,42 +6,36 @@ Networks", arXiv:1708.03888 (2017), with the weight-norm threshold and the ``eps
 arXiv:1801.03137 (2018), exactly as Chainer's ``optimizer_hooks.GradientLARS`` does it, and
 LARC's clipping mode as an option.
 
-The hook rewrites each parameter's gradient before the optimizer's own update runs, so it
-composes with SGD, AdamW, RMSprop or any other :class:`torch.optim.Optimizer`.
+The maths are pure functions (:func:`lars_rates`, :func:`lars_unit_`); :class:`GradientLARS`
+puts them on :class:`~normhooks._grad_hook.GradientHook`, which attaches to any
+:class:`torch.optim.Optimizer` and handles closures, AMP and sharded parameters.
 """
 
 from __future__ import annotations
 
-import sys
-import weakref
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.utils.hooks import RemovableHandle
 
 from normhooks import _checks
-from normhooks._precision import HALF_DTYPES
+from normhooks import _torch_compat as compat
+from normhooks._grad_hook import (
+    GradientHook,
+    apply_to_parameters_,
+    euclidean_norms,
+    inverse_scale,
+    unscale_and_check_,
+)
+from normhooks._precision import HALF_DTYPES, upcast
 
 __all__ = ["GradientLARS", "lars_", "lars_param_groups"]
 
 
-# Sums of squares of tensors at least this large run as one BLAS dot each on the CPU, which is
-# about twice as fast there as the reduction behind ``torch._foreach_norm``; smaller tensors
-# are dispatch-bound and go through ``_foreach_norm`` in one call.
-_CPU_DOT_MIN_NUMEL = 1 << 15
-
-
-def _dtensor_type() -> Any:
-    """torch's DTensor class, or None while nothing has imported it (so nothing is one)."""
-    module = sys.modules.get("torch.distributed.tensor")
-    return None if module is None else module.DTensor
-
-
 @dataclass(frozen=True)
-class _Settings:
+class LARSSettings:
     threshold: float
     weight_decay: float
     eps: float
@@ -49,70 +43,22 @@ class _Settings:
     clip: bool
 
 
-_OVERRIDABLE = ("threshold", "weight_decay", "eps", "trust_coefficient", "clip")
-
-
-def _settings(
-    threshold: object,
-    weight_decay: object,
-    eps: object,
-    trust_coefficient: object,
-    clip: object,
-    prefix: str = "",
-) -> _Settings:
-    return _Settings(
-        threshold=_checks.non_negative(prefix + "threshold", threshold),
-        weight_decay=_checks.non_negative(prefix + "weight_decay", weight_decay),
-        eps=_checks.non_negative(prefix + "eps", eps),
-        trust_coefficient=_checks.positive(prefix + "trust_coefficient", trust_coefficient),
-        clip=_checks.boolean(prefix + "clip", clip),
+def _check_settings(values: Mapping[str, object], prefix: str = "") -> LARSSettings:
+    return LARSSettings(
+        threshold=_checks.non_negative(prefix + "threshold", values["threshold"]),
+        weight_decay=_checks.non_negative(prefix + "weight_decay", values["weight_decay"]),
+        eps=_checks.non_negative(prefix + "eps", values["eps"]),
+        trust_coefficient=_checks.positive(
+            prefix + "trust_coefficient", values["trust_coefficient"]
+        ),
+        clip=_checks.boolean(prefix + "clip", values["clip"]),
     )
 
 
-def _check_param(param: object, where: str) -> Tensor:
-    if not isinstance(param, Tensor):
-        raise TypeError(f"{where} must be a torch.Tensor, got {type(param).__name__}")
-    if not param.is_floating_point():
-        raise TypeError(
-            f"{where} must be a real floating-point tensor, got dtype {param.dtype}; LARS is "
-            "defined for real parameters only"
-        )
-    return param
-
-
-def _check_grad(param: Tensor, where: str) -> None:
-    grad = param.grad
-    if grad is not None and grad.layout != torch.strided:
-        raise ValueError(
-            f"{where} has a {grad.layout} gradient; LARS needs dense gradients "
-            "(use sparse=False in nn.Embedding / nn.EmbeddingBag)"
-        )
-
-
-def _norms(tensors: list[Tensor]) -> Tensor:
-    """Euclidean norms of ``tensors`` (one device and dtype), accumulated in at least float32."""
-    dtype = tensors[0].dtype
-    acc = torch.float32 if dtype in HALF_DTYPES else dtype
-    if tensors[0].device.type != "cpu" or acc != dtype:
-        return torch.stack(torch._foreach_norm(tensors, 2, dtype=acc if acc != dtype else None))
-    big = [i for i, t in enumerate(tensors) if t.numel() >= _CPU_DOT_MIN_NUMEL]
-    if not big:
-        return torch.stack(torch._foreach_norm(tensors, 2))
-    norms = [torch.empty(0)] * len(tensors)
-    for i in big:
-        flat = tensors[i].reshape(-1)
-        norms[i] = torch.dot(flat, flat).sqrt_()
-    small = [i for i, t in enumerate(tensors) if t.numel() < _CPU_DOT_MIN_NUMEL]
-    if small:
-        for i, norm in zip(small, torch._foreach_norm([tensors[i] for i in small], 2), strict=True):
-            norms[i] = norm
-    return torch.stack(norms)
-
-
-def _rates(
-    w_norm: Tensor, g_norm: Tensor, settings: _Settings, lr: float | Tensor | None
+def lars_rates(
+    w_norm: Tensor, g_norm: Tensor, settings: LARSSettings, lr: float | Tensor | None
 ) -> Tensor:
-    """The LARS rate of each parameter from the norms of the full tensors."""
+    """The LARS rate of each parameter from the norms of its full tensors (``lr`` for clip)."""
     # Same association as the original: (eps + ||g||) + weight_decay * ||w||.
     denominator = g_norm + settings.eps
     if settings.weight_decay != 0:
@@ -130,169 +76,66 @@ def _rates(
     return torch.where(scaled, rate, torch.ones_like(rate))
 
 
-def _apply_(
+def _update_(
     params: list[Tensor],
     grads: list[Tensor],
     rates: Tensor,
     weight_decay: float,
     grad_scale: Tensor | None,
+    foreach: bool | None,
 ) -> None:
-    """``g <- rate * (g + weight_decay * w)`` in place, for one device and dtype.
-
-    Gradients that a GradScaler left scaled by ``grad_scale`` stay scaled: the decay is scaled
-    to match, and the gradients are never divided, which would lose small float16 values.
-    """
-    decay: float | Tensor = weight_decay
-    if grad_scale is not None:
-        decay = grad_scale.to(grads[0].device, torch.float32) * weight_decay
-    if grads[0].dtype in HALF_DTYPES:
-        # One rounding to the low-precision dtype, as a float32 computation would give.
+    """``g <- rate * (g / grad_scale + weight_decay * w)`` in place, for one device and dtype."""
+    inv_scale = None if grad_scale is None else inverse_scale(grad_scale, grads[0].device)
+    if foreach is False or grads[0].dtype in HALF_DTYPES:
+        # Low precision: computed in float32 and rounded once, which no multi-tensor op does.
         for param, grad, rate in zip(params, grads, rates.unbind(0), strict=True):
-            exact = grad.float()
+            exact = upcast(grad)
+            if inv_scale is not None:
+                exact.mul_(inv_scale)
             if weight_decay != 0:
-                exact.add_(param.float() * decay)
-            grad.copy_(exact.mul_(rate))
+                exact.add_(upcast(param) * weight_decay)
+            exact.mul_(rate)
+            if exact is not grad:
+                grad.copy_(exact)
         return
+    if inv_scale is not None:
+        compat.foreach_mul_(grads, inv_scale)
     if weight_decay != 0:
-        if isinstance(decay, Tensor):
-            torch._foreach_add_(grads, torch._foreach_mul(params, decay.to(grads[0].dtype)))
-        else:
-            torch._foreach_add_(grads, params, alpha=decay)
-    torch._foreach_mul_(grads, list(rates.to(grads[0].dtype).unbind(0)))
+        compat.foreach_add_(grads, params, alpha=weight_decay)
+    compat.foreach_mul_(grads, list(rates.to(grads[0].dtype).unbind(0)))
 
 
-@dataclass
-class _Unit:
-    """Parameters that share a device, a dtype and a sharding: one set of multi-tensor ops.
-
-    ``params`` and ``grads`` are the local tensors (a DTensor's local shard); ``reduce`` names
-    the mesh dimensions whose ranks hold other shards of these tensors, or None.
-    """
-
-    indices: list[int]
-    params: list[Tensor]
-    grads: list[Tensor]
-    reduce: tuple[Any, tuple[int, ...]] | None
-
-
-def _sharding(param: Tensor, where: str) -> tuple[Any, tuple[int, ...]] | None:
-    """The (mesh, sharded mesh dims) of a DTensor parameter, after checking its gradient."""
-    dtensor = _dtensor_type()
-    sharded: Any = param
-    grad: Any = param.grad
-    mesh, placements = sharded.device_mesh, sharded.placements
-    if not isinstance(grad, dtensor) or (grad.device_mesh, grad.placements) != (mesh, placements):
-        layout = (
-            f"{grad.device_mesh} {grad.placements}"
-            if isinstance(grad, dtensor)
-            else f"a plain {type(grad).__name__}"
-        )
-        raise ValueError(
-            f"{where} is a DTensor on {mesh} with placements {placements}, but its gradient "
-            f"is {layout}; LARS needs both laid out alike"
-        )
-    for placement in placements:
-        if not (placement.is_shard() or placement.is_replicate()):
-            raise ValueError(
-                f"{where} has a {type(placement).__name__} placement ({placement}); LARS "
-                "supports DTensors that are sharded "
-                "or replicated on each mesh dimension (FSDP2, HSDP, tensor parallel), not "
-                "partial ones"
-            )
-    dims = tuple(d for d, p in enumerate(placements) if p.is_shard() and mesh.size(d) > 1)
-    return (mesh, dims) if dims else None
-
-
-def _units(params: Sequence[Tensor], where: Callable[[int], str]) -> list[_Unit]:
-    if len(set(map(id, params))) != len(params):
-        seen: dict[int, int] = {}
-        for index, param in enumerate(params):
-            first = seen.setdefault(id(param), index)
-            if first != index:
-                raise ValueError(
-                    f"{where(index)} is the same tensor as {where(first)}; LARS would scale "
-                    "its gradient twice"
-                )
-    dtensor = _dtensor_type()
-    units: dict[tuple[Any, ...], _Unit] = {}
-    for index, param in enumerate(params):
-        grad: Any = param.grad
-        local: Any = param
-        reduce = None
-        if dtensor is not None and isinstance(param, dtensor):
-            reduce = _sharding(param, where(index))
-            local, grad = local.to_local(), grad.to_local()
-        key = (local.device, local.dtype, None if reduce is None else (id(reduce[0]), reduce[1]))
-        unit = units.get(key)
-        if unit is None:
-            unit = units[key] = _Unit([], [], [], reduce)
-        unit.indices.append(index)
-        unit.params.append(local)
-        unit.grads.append(grad)
-    return list(units.values())
-
-
-def _full_norms(units: list[_Unit]) -> list[tuple[Tensor, Tensor]]:
-    """``(||w||, ||g||)`` of the full tensors of each unit.
-
-    For sharded units the local sums of squares of every unit on one mesh are stacked and
-    summed over the sharded mesh dimensions together: one all-reduce per mesh dimension, and
-    no tensor is gathered.
-    """
-    squares: dict[int, Tensor] = {}
-    meshes: dict[tuple[int, tuple[int, ...]], list[int]] = {}
-    norms: list[tuple[Tensor, Tensor] | None] = []
-    for position, unit in enumerate(units):
-        if unit.reduce is None:
-            norms.append((_norms(unit.params), _norms(unit.grads)))
-            continue
-        norms.append(None)
-        squares[position] = torch.cat([_norms(unit.params), _norms(unit.grads)]).square()
-        meshes.setdefault((id(unit.reduce[0]), unit.reduce[1]), []).append(position)
-    for positions in meshes.values():
-        mesh, dims = units[positions[0]].reduce  # type: ignore[misc]
-        parts = [squares[p] for p in positions]
-        common = torch.float64 if any(p.dtype == torch.float64 for p in parts) else torch.float32
-        stacked = torch.cat([part.to(common) for part in parts])
-        for dim in dims:
-            torch.distributed.all_reduce(stacked, group=mesh.get_group(dim))
-        totals = torch.split(stacked, [p.numel() for p in parts])
-        for position, total in zip(positions, totals, strict=True):
-            w_norm, g_norm = total.to(squares[position].dtype).sqrt().chunk(2)
-            norms[position] = (w_norm, g_norm)
-    return [n for n in norms if n is not None]
-
-
-def _scale_grads_(
-    params: Sequence[Tensor],
-    settings: _Settings,
-    lr: float | Tensor | None = None,
-    grad_scale: Tensor | None = None,
-    where: Callable[[int], str] | None = None,
+def lars_unit_(
+    params: list[Tensor],
+    grads: list[Tensor],
+    settings: LARSSettings,
+    lr: float | Tensor | None,
+    grad_scale: Tensor | None,
+    found_inf: Tensor | None,
+    *,
+    norms: tuple[Tensor, Tensor] | None = None,
+    foreach: bool | None = None,
 ) -> Tensor:
-    """Applies LARS to ``params`` (all with a dense grad); returns their rates, in order."""
-    if not params:
-        return torch.empty(0)
-    units = _units(params, where or "parameters[{}]".format)
-    per_unit: list[tuple[list[int], Tensor]] = []
-    for unit, (w_norm, g_norm) in zip(units, _full_norms(units), strict=True):
-        if grad_scale is not None:
-            # A fused optimizer under GradScaler gets scaled grads and unscales them itself:
-            # the rate needs the norm of the true gradient.
-            g_norm = g_norm / grad_scale.to(g_norm.device, g_norm.dtype)
-        rates = _rates(w_norm, g_norm, settings, lr)
-        _apply_(unit.params, unit.grads, rates, settings.weight_decay, grad_scale)
-        per_unit.append((unit.indices, rates))
-    if len(per_unit) == 1:
-        return per_unit[0][1]
-    device = per_unit[0][1].device
-    dtype = torch.float64 if any(r.dtype == torch.float64 for _, r in per_unit) else torch.float32
-    by_index = {
-        index: rate
-        for indices, rates in per_unit
-        for index, rate in zip(indices, rates.to(device, dtype).unbind(0), strict=True)
-    }
-    return torch.stack([by_index[i] for i in range(len(params))])
+    """LARS on one unit (one device, dtype and sharding); returns the rates, in order.
+
+    This is the whole per-unit computation, the place where a fused kernel can take over.
+    ``grads`` may be scaled by ``grad_scale`` (a fused optimizer under GradScaler): the rates
+    use the true gradient's norm and the unscaled result is written. ``found_inf`` is set to
+    1 where a written value is not finite. ``norms`` are ``(||w||, ||g||)`` of the full
+    tensors when ``params`` are shards; otherwise they are computed here.
+    """
+    if norms is None:
+        w_norm, g_norm = euclidean_norms(params, foreach), euclidean_norms(grads, foreach)
+    else:
+        w_norm, g_norm = norms
+    if grad_scale is not None:
+        g_norm = g_norm / grad_scale.to(g_norm.device, g_norm.dtype)
+    rates = lars_rates(w_norm, g_norm, settings, lr)
+    _update_(params, grads, rates, settings.weight_decay, grad_scale, foreach)
+    if found_inf is not None:
+        # GradScaler's check-and-unscale op, by one: torch has no other multi-tensor check.
+        unscale_and_check_(grads, found_inf, torch.ones_like(found_inf), foreach)
+    return rates
 
 
 def lars_(
@@ -302,6 +145,7 @@ def lars_(
     eps: float = 1e-9,
     *,
     trust_coefficient: float = 1.0,
+    foreach: bool | None = None,
 ) -> Tensor:
     r"""Scales every parameter's ``.grad`` in place by its layer-wise adaptive rate.
 
@@ -314,9 +158,12 @@ def lars_(
                           1 & \text{otherwise} \end{cases}, \qquad
         g \leftarrow r\,(g + \beta w)
 
-    with :math:`\beta` = ``weight_decay`` and :math:`\eta` = ``trust_coefficient``. Norms are
-    computed in one multi-tensor pass per device and dtype, accumulated in float32 for
-    float16/bfloat16, and nothing is read back to the host.
+    with :math:`\beta` = ``weight_decay`` and :math:`\eta` = ``trust_coefficient``.
+    Parameters are taken per device and dtype. On accelerators the norms are one multi-tensor
+    call; on the CPU, large tensors are one dot product each and the rest one multi-tensor
+    call. The update is two multi-tensor calls, except for float16/bfloat16, whose norms and
+    update are computed in float32, one tensor at a time, and rounded once. Nothing is read
+    back to the host.
 
     Args:
         parameters: a tensor or an iterable of tensors; those without ``.grad`` are skipped.
@@ -324,6 +171,8 @@ def lars_(
         weight_decay: :math:`\beta`, L2 decay added to the gradient before scaling.
         eps: added to the denominator for numerical stability.
         trust_coefficient: :math:`\eta`, multiplies the local rate.
+        foreach: True forces multi-tensor ops everywhere, False takes one tensor at a time,
+            None picks as above.
 
     Returns:
         A 1-D tensor with the rate applied to each parameter that has a gradient, in order.
@@ -342,24 +191,16 @@ def lars_(
         tensor([[3., 3.],
                 [3., 3.]])
     """
-    settings = _settings(threshold, weight_decay, eps, trust_coefficient, False)
-    if isinstance(parameters, Tensor):
-        parameters = [parameters]
-    elif not isinstance(parameters, Iterable):
-        raise TypeError(
-            "parameters must be a tensor or an iterable of tensors, "
-            f"got {type(parameters).__name__}"
-        )
-    with_grad, names = [], []
-    for index, param in enumerate(parameters):
-        where = f"parameters[{index}]"
-        _check_param(param, where)
-        _check_grad(param, where)
-        if param.grad is not None:
-            with_grad.append(param)
-            names.append(where)
-    with torch.no_grad():
-        return _scale_grads_(with_grad, settings, where=names.__getitem__)
+    settings = _check_settings(
+        {
+            "threshold": threshold,
+            "weight_decay": weight_decay,
+            "eps": eps,
+            "trust_coefficient": trust_coefficient,
+            "clip": False,
+        }
+    )
+    return apply_to_parameters_(parameters, settings, lars_unit_, technique="LARS", foreach=foreach)
 
 
 def lars_param_groups(
@@ -421,26 +262,7 @@ def _is_gain_like(param: Tensor) -> bool:
     return sum(size > 1 for size in param.shape) <= 1
 
 
-class _SingleUseClosure:
-    """Hands the optimizer the loss of a closure the hook already evaluated."""
-
-    def __init__(self, loss: Any, optimizer: torch.optim.Optimizer) -> None:
-        self._loss = loss
-        self._optimizer_name = type(optimizer).__name__
-        self._calls = 0
-
-    def __call__(self) -> Any:
-        self._calls += 1
-        if self._calls > 1:
-            raise RuntimeError(
-                f"{self._optimizer_name} called its closure more than once in one step; "
-                "GradientLARS rescales the gradients of a single evaluation, so it cannot be "
-                "used with optimizers that re-evaluate the loss (such as LBFGS)"
-            )
-        return self._loss
-
-
-class GradientLARS:
+class GradientLARS(GradientHook[LARSSettings]):
     r"""Layer-wise adaptive rate scaling as a step pre-hook for any PyTorch optimizer.
 
     Before every ``optimizer.step()``, each parameter's gradient is rewritten in place as in
@@ -459,14 +281,20 @@ class GradientLARS:
 
     Param groups can opt out (``"lars": False``) or override a setting for themselves with
     ``"lars_threshold"``, ``"lars_weight_decay"``, ``"lars_eps"``,
-    ``"lars_trust_coefficient"`` or ``"lars_clip"``. The rates applied in the last step are in
-    :attr:`last_rates`, one 1-D tensor per param group (empty for a group the hook skips),
-    left on the parameters' device.
+    ``"lars_trust_coefficient"`` or ``"lars_clip"``. A group that keeps the optimizer's own
+    ``weight_decay`` under a hook with ``weight_decay`` gets a warning: both would decay it.
+    The rates applied in the last step are in :attr:`last_rates`, one 1-D tensor per param
+    group (empty for a group the hook skips), left on the parameters' device. One
+    GradientLARS per optimizer: attaching a second is refused.
 
     ``step(closure)`` works: the hook evaluates the closure itself, scales the fresh gradients,
     and hands the optimizer the loss. Fused optimizers under :class:`torch.amp.GradScaler`
-    receive scaled gradients; the hook unscales them for its norms and leaves them scaled, so
-    the result is the same as without AMP.
+    receive scaled gradients: the hook computes from the gradients divided by the scale in
+    float32, writes the unscaled result, sets ``optimizer.grad_scale = None`` so that the
+    fused step does not divide again, and raises ``optimizer.found_inf`` where the result is
+    not finite, so that the step is skipped as for an overflow (GradScaler's private protocol
+    for fused optimizers; details in :class:`~normhooks._grad_hook.GradientHook`). The result
+    is the same as without AMP.
 
     Args:
         threshold: parameters whose norm is at most this keep rate 1 (arXiv:1801.03137).
@@ -475,6 +303,7 @@ class GradientLARS:
         eps: added to the denominator for numerical stability.
         trust_coefficient: :math:`\eta`, multiplies the local rate.
         clip: LARC's clipping mode (the rate never exceeds 1 after dividing by the lr).
+        foreach: as in :func:`lars_`.
 
     References:
         You, Gitman and Ginsburg, Large Batch Training of Convolutional Networks,
@@ -490,6 +319,9 @@ class GradientLARS:
         >>> handle.remove()
     """
 
+    prefix = "lars"
+    technique = "LARS"
+
     def __init__(
         self,
         threshold: float = 1e-2,
@@ -498,12 +330,57 @@ class GradientLARS:
         *,
         trust_coefficient: float = 1.0,
         clip: bool = False,
+        foreach: bool | None = None,
     ) -> None:
-        self._settings = _settings(threshold, weight_decay, eps, trust_coefficient, clip)
-        self._handles: weakref.WeakKeyDictionary[torch.optim.Optimizer, RemovableHandle] = (
-            weakref.WeakKeyDictionary()
+        values = {
+            "threshold": threshold,
+            "weight_decay": weight_decay,
+            "eps": eps,
+            "trust_coefficient": trust_coefficient,
+            "clip": clip,
+        }
+        super().__init__(_check_settings(values), foreach=foreach)
+
+    @classmethod
+    def _check_settings(cls, values: Mapping[str, object], prefix: str) -> LARSSettings:
+        return _check_settings(values, prefix)
+
+    def _unit_(
+        self,
+        params: list[Tensor],
+        grads: list[Tensor],
+        settings: LARSSettings,
+        lr: float | Tensor | None,
+        grad_scale: Tensor | None,
+        found_inf: Tensor | None,
+        *,
+        norms: tuple[Tensor, Tensor] | None = None,
+        foreach: bool | None = None,
+    ) -> Tensor:
+        return lars_unit_(
+            params, grads, settings, lr, grad_scale, found_inf, norms=norms, foreach=foreach
         )
-        self.last_rates: list[Tensor] = []
+
+    def _check_group(self, group: Mapping[str, Any], settings: LARSSettings) -> str | None:
+        if settings.clip and not isinstance(group.get("lr"), (float, int, Tensor)):
+            raise ValueError(
+                "clip=True divides by the group's learning rate, but the group has "
+                f'"lr"={group.get("lr")!r}'
+            )
+        own = group.get("weight_decay", 0)
+        if settings.weight_decay > 0 and isinstance(own, (int, float)) and own > 0:
+            return (
+                f"the optimizer's \"weight_decay\"={own} and GradientLARS's "
+                f"weight_decay={settings.weight_decay} both decay these parameters, so decay "
+                "would be applied twice; set the optimizer's to 0 (the hook's is the one LARS "
+                "scales), or opt the group out of one of them"
+            )
+        return None
+
+    @property
+    def last_rates(self) -> list[Tensor]:
+        """The rates of the last step: one 1-D tensor per param group, on device."""
+        return self._last_values
 
     @property
     def threshold(self) -> float:
@@ -531,152 +408,3 @@ class GradientLARS:
             f"GradientLARS(threshold={s.threshold}, weight_decay={s.weight_decay}, "
             f"eps={s.eps}, trust_coefficient={s.trust_coefficient}, clip={s.clip})"
         )
-
-    def attach(self, optimizer: torch.optim.Optimizer) -> RemovableHandle:
-        """Registers the hook with ``optimizer.register_step_pre_hook``.
-
-        The optimizer's class, ``state_dict`` and LR schedulers are untouched; remove the hook
-        with the returned handle's ``remove()``.
-
-        Args:
-            optimizer: any instance of :class:`torch.optim.Optimizer`.
-
-        Returns:
-            The handle of the registered pre-hook.
-        """
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(
-                f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}"
-            )
-        if isinstance(optimizer, torch.optim.LBFGS):
-            raise TypeError(
-                "GradientLARS cannot be attached to LBFGS: LBFGS evaluates its closure many "
-                "times per step, and the hook can only rescale the gradients of one evaluation"
-            )
-        previous = self._handles.get(optimizer)
-        if previous is not None and _is_registered(previous):
-            raise RuntimeError(
-                f"this GradientLARS is already attached to this {type(optimizer).__name__}; "
-                "remove the first handle before attaching it again"
-            )
-        for index, group in enumerate(optimizer.param_groups):
-            self._group_settings(group, index)
-            for position, param in enumerate(group["params"]):
-                _check_param(param, f"parameter {position} of param group {index}")
-        handle = optimizer.register_step_pre_hook(self._pre_step)
-        self._handles[optimizer] = handle
-        return handle
-
-    def _group_settings(self, group: Mapping[str, Any], index: int) -> _Settings | None:
-        """The settings for one param group, or None if the group opts out."""
-        enabled = group.get("lars", True)
-        if not isinstance(enabled, bool):
-            raise TypeError(f'param group {index}: "lars" must be a bool, got "lars"={enabled!r}')
-        overrides = {}
-        for key, value in group.items():
-            if not key.startswith("lars_"):
-                continue
-            setting = key[len("lars_") :]
-            if setting not in _OVERRIDABLE:
-                raise ValueError(
-                    f"param group {index}: unknown key {key!r}; expected one of "
-                    + ", ".join(f"'lars_{s}'" for s in _OVERRIDABLE)
-                )
-            overrides[setting] = value
-        if not enabled:
-            return None
-        if not overrides:
-            settings = self._settings
-        else:
-            merged = replace(self._settings, **overrides)
-            try:
-                settings = _settings(
-                    merged.threshold,
-                    merged.weight_decay,
-                    merged.eps,
-                    merged.trust_coefficient,
-                    merged.clip,
-                    prefix="lars_",
-                )
-            except (TypeError, ValueError) as error:
-                raise type(error)(f"param group {index}: {error}") from None
-        if settings.clip and not isinstance(group.get("lr"), (float, int, Tensor)):
-            raise ValueError(
-                f"param group {index}: clip=True divides by the group's learning rate, but "
-                f'the group has "lr"={group.get("lr")!r}'
-            )
-        return settings
-
-    def _pre_step(
-        self, optimizer: torch.optim.Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
-        if "grad_scaler" in kwargs:
-            raise RuntimeError(
-                f"{type(optimizer).__name__}.step received a grad_scaler argument (the "
-                "deprecated GradScaler protocol); GradientLARS cannot tell whether those "
-                "gradients are scaled. Use an optimizer without a grad_scaler parameter"
-            )
-        # Everything that does not depend on the gradients is checked before the closure runs,
-        # so a bad param group leaves the model untouched.
-        settings_of = []
-        for index, group in enumerate(optimizer.param_groups):
-            settings_of.append(self._group_settings(group, index))
-            for position, param in enumerate(group["params"]):
-                if not isinstance(param, Tensor) or not param.is_floating_point():
-                    _check_param(param, f"parameter {position} of param group {index}")
-        closure, args, kwargs = _take_closure(args, kwargs)
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        plan = []
-        for index, (group, settings) in enumerate(
-            zip(optimizer.param_groups, settings_of, strict=True)
-        ):
-            params, positions = [], []
-            for position, param in enumerate(group["params"]):
-                grad = param.grad
-                if grad is not None:
-                    if grad.layout != torch.strided:
-                        _check_grad(param, f"parameter {position} of param group {index}")
-                    params.append(param)
-                    positions.append(position)
-            plan.append((settings, params, _namer(index, positions), group.get("lr")))
-        grad_scale = getattr(optimizer, "grad_scale", None)
-        rates = []
-        with torch.no_grad():
-            for settings, params, names, lr in plan:
-                if settings is None or not params:
-                    rates.append(torch.empty(0))
-                    continue
-                rates.append(_scale_grads_(params, settings, lr, grad_scale, names))
-        self.last_rates = rates
-        if closure is None:
-            return None
-        kwargs["closure"] = _SingleUseClosure(loss, optimizer)
-        return args, kwargs
-
-
-def _namer(group_index: int, positions: list[int]) -> Callable[[int], str]:
-    """Names the i-th parameter with a gradient by its place in the optimizer, on demand."""
-    return lambda i: f"parameter {positions[i]} of param group {group_index}"
-
-
-def _take_closure(
-    args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> tuple[Callable[[], Any] | None, tuple[Any, ...], dict[str, Any]]:
-    """Splits ``optimizer.step``'s closure from its other arguments.
-
-    ``args`` starts with the optimizer itself (the hook sees ``step``'s bound arguments).
-    """
-    kwargs = dict(kwargs)
-    if "closure" in kwargs:
-        return kwargs.pop("closure"), args, kwargs
-    if len(args) > 1:
-        return args[1], args[:1] + args[2:], kwargs
-    return None, args, kwargs
-
-
-def _is_registered(handle: RemovableHandle) -> bool:
-    hooks = handle.hooks_dict_ref()
-    return hooks is not None and handle.id in hooks

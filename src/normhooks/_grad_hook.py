@@ -1,0 +1,658 @@
+"""The machinery every gradient hook shares: attach, closure, checks, grouping, AMP, sharding.
+
+A gradient hook rewrites each parameter's ``.grad`` in place before the optimizer's own update
+runs, so it composes with any :class:`torch.optim.Optimizer`. A technique (LARS, adaptive
+gradient clipping, a trust ratio) subclasses :class:`GradientHook` and supplies three things:
+
+- its settings, a frozen dataclass, and ``_check_settings(values, prefix) -> settings``, which
+  validates them (names prefixed with ``prefix`` in errors, for param-group overrides);
+- its key prefix (``prefix = "lars"``: groups opt out with ``"lars": False`` and override a
+  setting with ``"lars_<setting>"``) and its name in messages (``technique = "LARS"``);
+- ``_unit_``: its maths for one *unit*, the parameters of one param group that share a
+  device, a dtype and a sharding, as a pure function of
+  ``(params, grads, settings, lr, grad_scale, found_inf)`` that rewrites ``grads`` in place
+  and returns one value per parameter (LARS: its rates). ``norms`` carries the full tensors'
+  norms when the tensors are shards; ``foreach`` is the user's multi-tensor switch.
+
+Optionally ``_check_group(group, settings)`` raises for a group the technique cannot serve or
+returns a warning, which the base emits once per optimizer and group.
+
+A unit function must honour the AMP protocol (see :class:`GradientHook`): when ``grad_scale``
+is a tensor, the gradients it receives are scaled by it and what it writes must be unscaled;
+when ``found_inf`` is a tensor, it sets it to 1 (never adds) where a value it wrote is not
+finite, and never reads a tensor value back to the host.
+"""
+
+from __future__ import annotations
+
+import warnings
+import weakref
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, fields
+from typing import Any, ClassVar, Generic, Protocol, TypeVar
+
+import torch
+from torch import Tensor
+from torch.utils.hooks import RemovableHandle
+
+from normhooks import _torch_compat as compat
+from normhooks._precision import compute_dtype
+
+__all__ = ["GradientHook", "UnitFunction", "apply_to_parameters_", "euclidean_norms"]
+
+S = TypeVar("S")
+S_contra = TypeVar("S_contra", contravariant=True)
+Lr = float | Tensor | None
+
+# Sums of squares of tensors at least this large run as one BLAS dot each on the CPU, which is
+# about twice as fast there as the reduction behind ``torch._foreach_norm``; smaller tensors
+# are dispatch-bound and go through ``_foreach_norm`` in one call.
+_CPU_DOT_MIN_NUMEL = 1 << 15
+
+
+class UnitFunction(Protocol[S_contra]):
+    """A technique's maths for one unit: rewrites ``grads`` in place, returns a value each."""
+
+    def __call__(
+        self,
+        params: list[Tensor],
+        grads: list[Tensor],
+        settings: S_contra,
+        lr: Lr,
+        grad_scale: Tensor | None,
+        found_inf: Tensor | None,
+        *,
+        norms: tuple[Tensor, Tensor] | None = None,
+        foreach: bool | None = None,
+    ) -> Tensor: ...
+
+
+def euclidean_norms(tensors: list[Tensor], foreach: bool | None = None) -> Tensor:
+    """Euclidean norms of ``tensors`` (one device and dtype), accumulated in at least float32.
+
+    ``foreach=False`` takes one norm per tensor; ``True`` one multi-tensor call; ``None`` the
+    fastest measured mix (on the CPU, large tensors as one dot each).
+
+    Example:
+        >>> euclidean_norms([torch.full((2, 2), 1.5), torch.tensor([3.0, 4.0])])
+        tensor([3., 5.])
+    """
+    dtype = tensors[0].dtype
+    acc = compute_dtype(dtype)
+    upcast = acc if acc != dtype else None
+    if foreach is False:
+        return torch.stack([torch.linalg.vector_norm(t, dtype=upcast) for t in tensors])
+    if foreach or tensors[0].device.type != "cpu" or upcast is not None:
+        return torch.stack(compat.foreach_norm(tensors, dtype=upcast))
+    big = [i for i, t in enumerate(tensors) if t.numel() >= _CPU_DOT_MIN_NUMEL]
+    if not big:
+        return torch.stack(compat.foreach_norm(tensors))
+    out = [torch.empty(0)] * len(tensors)
+    for i in big:
+        flat = tensors[i].reshape(-1)
+        out[i] = torch.dot(flat, flat).sqrt_()
+    small = [i for i, t in enumerate(tensors) if t.numel() < _CPU_DOT_MIN_NUMEL]
+    if small:
+        for i, norm in zip(small, compat.foreach_norm([tensors[i] for i in small]), strict=True):
+            out[i] = norm
+    return torch.stack(out)
+
+
+def inverse_scale(grad_scale: Tensor, device: torch.device) -> Tensor:
+    """``1 / grad_scale`` in float32 on ``device``, computed as GradScaler computes it."""
+    return grad_scale.double().reciprocal().float().to(device)
+
+
+def unscale_and_check_(
+    tensors: list[Tensor], found_inf: Tensor, inv_scale: Tensor, foreach: bool | None
+) -> None:
+    """``t *= inv_scale`` and ``found_inf = 1`` where a ``t`` is not finite; no host sync."""
+    if foreach is False:
+        for tensor in tensors:
+            compat.non_finite_check_and_unscale_([tensor], found_inf, inv_scale)
+    else:
+        compat.non_finite_check_and_unscale_(tensors, found_inf, inv_scale)
+
+
+# --- checks --------------------------------------------------------------------------------
+
+
+def check_param(param: object, where: str, technique: str) -> Tensor:
+    if not isinstance(param, Tensor):
+        raise TypeError(f"{where} must be a torch.Tensor, got {type(param).__name__}")
+    if not param.is_floating_point():
+        raise TypeError(
+            f"{where} must be a real floating-point tensor, got dtype {param.dtype}; "
+            f"{technique} is defined for real parameters only"
+        )
+    return param
+
+
+def check_dense_grad(param: Tensor, where: str, technique: str) -> None:
+    grad = param.grad
+    if grad is not None and grad.layout != torch.strided:
+        raise ValueError(
+            f"{where} has a {grad.layout} gradient; {technique} needs dense gradients "
+            "(use sparse=False in nn.Embedding / nn.EmbeddingBag). No gradient or parameter "
+            "was changed"
+        )
+
+
+def check_foreach(foreach: object) -> bool | None:
+    if foreach is not None and not isinstance(foreach, bool):
+        raise TypeError(f"foreach must be a bool or None, got foreach={foreach!r}")
+    return foreach
+
+
+# --- units: parameters that share a device, a dtype and a sharding ------------------------
+
+
+@dataclass
+class _Unit:
+    """``params`` and ``grads`` are local tensors (a DTensor's local shard); ``reduce`` is
+    the (mesh, sharded mesh dims) whose ranks hold other shards of them, or None."""
+
+    indices: list[int]
+    params: list[Tensor]
+    grads: list[Tensor]
+    reduce: tuple[Any, tuple[int, ...]] | None
+    reduce_key: Any = None
+    norms: tuple[Tensor, Tensor] | None = None
+
+
+def _sharding(param: Tensor, where: str, technique: str) -> tuple[Any, tuple[int, ...]] | None:
+    """The (mesh, sharded mesh dims) of a DTensor parameter, after checking its gradient."""
+    dtensor = compat.dtensor_type()
+    sharded: Any = param
+    grad: Any = param.grad
+    mesh, placements = sharded.device_mesh, sharded.placements
+    if not isinstance(grad, dtensor) or (grad.device_mesh, grad.placements) != (mesh, placements):
+        layout = (
+            f"{grad.device_mesh} {grad.placements}"
+            if isinstance(grad, dtensor)
+            else f"a plain {type(grad).__name__}"
+        )
+        raise ValueError(
+            f"{where} is a DTensor on {mesh} with placements {placements}, but its gradient "
+            f"is {layout}; {technique} needs both laid out alike"
+        )
+    for placement in placements:
+        if not (placement.is_shard() or placement.is_replicate()):
+            raise ValueError(
+                f"{where} has a {type(placement).__name__} placement ({placement}); "
+                f"{technique} supports DTensors that are sharded or replicated on each mesh "
+                "dimension (FSDP2, HSDP, tensor parallel), not partial ones"
+            )
+    dims = tuple(d for d, p in enumerate(placements) if p.is_shard() and mesh.size(d) > 1)
+    return (mesh, dims) if dims else None
+
+
+def _reduce_key(reduce: tuple[Any, tuple[int, ...]], cache: dict[Any, Any]) -> Any:
+    """The ranks of the process groups a sharded unit is reduced over, one tuple per dim.
+
+    ``fully_shard`` without ``mesh=`` builds a new DeviceMesh per call, all over the same
+    process group: keying on the groups' ranks, not the mesh object, gives one all-reduce for
+    all of them. (Meshes compare by layout, so the cache is hit once per layout per step.)
+    """
+    key = cache.get(reduce)
+    if key is None:
+        mesh, dims = reduce
+        key = cache[reduce] = tuple(
+            tuple(torch.distributed.get_process_group_ranks(mesh.get_group(d))) for d in dims
+        )
+    return key
+
+
+def _units(params: Sequence[Tensor], where: Callable[[int], str], technique: str) -> list[_Unit]:
+    if len(set(map(id, params))) != len(params):
+        seen: dict[int, int] = {}
+        for index, param in enumerate(params):
+            first = seen.setdefault(id(param), index)
+            if first != index:
+                raise ValueError(
+                    f"{where(index)} is the same tensor as {where(first)}; {technique} would "
+                    "scale its gradient twice"
+                )
+    dtensor = compat.dtensor_type()
+    units: dict[tuple[Any, ...], _Unit] = {}
+    keys: dict[Any, Any] = {}
+    for index, param in enumerate(params):
+        grad: Any = param.grad
+        local: Any = param
+        reduce = None
+        if dtensor is not None and isinstance(param, dtensor):
+            reduce = _sharding(param, where(index), technique)
+            local, grad = local.to_local(), grad.to_local()
+        reduce_key = None if reduce is None else _reduce_key(reduce, keys)
+        key = (local.device, local.dtype, reduce_key)
+        unit = units.get(key)
+        if unit is None:
+            unit = units[key] = _Unit([], [], [], reduce, reduce_key)
+        unit.indices.append(index)
+        unit.params.append(local)
+        unit.grads.append(grad)
+    return list(units.values())
+
+
+def _reduce_norms_(units: list[_Unit], foreach: bool | None) -> None:
+    """Sets ``unit.norms`` to ``(||w||, ||g||)`` of the full tensors, for sharded units.
+
+    The local sums of squares of every unit reduced over the same process groups are stacked
+    and summed together: one all-reduce per sharded mesh dimension, and no tensor is gathered.
+    """
+    squares: dict[int, Tensor] = {}
+    together: dict[Any, list[int]] = {}
+    for position, unit in enumerate(units):
+        if unit.reduce is None:
+            continue
+        squares[position] = torch.cat(
+            [euclidean_norms(unit.params, foreach), euclidean_norms(unit.grads, foreach)]
+        ).square()
+        together.setdefault(unit.reduce_key, []).append(position)
+    for positions in together.values():
+        mesh, dims = units[positions[0]].reduce  # type: ignore[misc]
+        parts = [squares[p] for p in positions]
+        common = torch.float64 if any(p.dtype == torch.float64 for p in parts) else torch.float32
+        stacked = torch.cat([part.to(common) for part in parts])
+        for dim in dims:
+            torch.distributed.all_reduce(stacked, group=mesh.get_group(dim))
+        totals = torch.split(stacked, [p.numel() for p in parts])
+        for position, total in zip(positions, totals, strict=True):
+            w_norm, g_norm = total.to(squares[position].dtype).sqrt().chunk(2)
+            units[position].norms = (w_norm, g_norm)
+
+
+@dataclass
+class _Job(Generic[S]):
+    """One param group's work: its settings, parameters with a grad, names and lr."""
+
+    settings: S
+    params: list[Tensor]
+    where: Callable[[int], str]
+    lr: Lr
+
+
+def _run_(
+    jobs: Sequence[_Job[S] | None],
+    unit_function: UnitFunction[S],
+    technique: str,
+    foreach: bool | None,
+    grad_scale: Tensor | None = None,
+    found_inf: Tensor | None = None,
+) -> list[Tensor]:
+    """Applies ``unit_function`` to every job's units; returns each job's values, in order.
+
+    A job of None (a group that opts out) gets no values. Every unit is formed (and every
+    parameter checked) before any gradient changes.
+    """
+    planned = [
+        _units(job.params, job.where, technique) if job is not None and job.params else []
+        for job in jobs
+    ]
+    _reduce_norms_([unit for units in planned for unit in units], foreach)
+    flags: dict[torch.device, Tensor] = {}
+    results = []
+    for job, units in zip(jobs, planned, strict=True):
+        if job is None or not units:
+            results.append(torch.empty(0))
+            continue
+        per_unit = []
+        for unit in units:
+            flag = None
+            if found_inf is not None:
+                device = unit.grads[0].device
+                flag = flags.get(device)
+                if flag is None:
+                    flag = flags[device] = torch.zeros((), dtype=torch.float32, device=device)
+            values = unit_function(
+                unit.params,
+                unit.grads,
+                job.settings,
+                job.lr,
+                grad_scale,
+                flag,
+                norms=unit.norms,
+                foreach=foreach,
+            )
+            per_unit.append((unit.indices, values))
+        results.append(_in_order(per_unit, len(job.params)))
+    if found_inf is not None:
+        # A max, never a sum: fused steps test found_inf == 1 and subtract it from step counts.
+        for flag in flags.values():
+            found_inf.copy_(torch.maximum(found_inf, flag.to(found_inf.device)))
+    return results
+
+
+def _in_order(per_unit: list[tuple[list[int], Tensor]], count: int) -> Tensor:
+    """The units' values as one tensor in parameter order, on the first unit's device."""
+    if len(per_unit) == 1:
+        return per_unit[0][1]
+    device = per_unit[0][1].device
+    dtype = torch.float64 if any(v.dtype == torch.float64 for _, v in per_unit) else torch.float32
+    by_index = {
+        index: value
+        for indices, values in per_unit
+        for index, value in zip(indices, values.to(device, dtype).unbind(0), strict=True)
+    }
+    return torch.stack([by_index[i] for i in range(count)])
+
+
+def apply_to_parameters_(
+    parameters: Tensor | Iterable[Tensor],
+    settings: S,
+    unit_function: UnitFunction[S],
+    *,
+    technique: str,
+    foreach: bool | None,
+) -> Tensor:
+    """The functional form of a hook: applies ``unit_function`` to every ``.grad``.
+
+    Parameters without a gradient are skipped; the values come back in parameter order.
+    """
+    if isinstance(parameters, Tensor):
+        parameters = [parameters]
+    elif not isinstance(parameters, Iterable):
+        raise TypeError(
+            "parameters must be a tensor or an iterable of tensors, "
+            f"got {type(parameters).__name__}"
+        )
+    check_foreach(foreach)
+    with_grad, names = [], []
+    for index, param in enumerate(parameters):
+        where = f"parameters[{index}]"
+        check_param(param, where, technique)
+        check_dense_grad(param, where, technique)
+        if param.grad is not None:
+            with_grad.append(param)
+            names.append(where)
+    with torch.no_grad():
+        (values,) = _run_(
+            [_Job(settings, with_grad, names.__getitem__, None)],
+            unit_function,
+            technique,
+            foreach,
+        )
+    return values
+
+
+# --- the hook ------------------------------------------------------------------------------
+
+# Which hook of each class is attached to an optimizer: two of one class would apply the same
+# technique twice, silently.
+_ATTACHED: weakref.WeakKeyDictionary[
+    torch.optim.Optimizer, dict[type[Any], tuple[Any, RemovableHandle]]
+] = weakref.WeakKeyDictionary()
+
+
+class GradientHook(Generic[S]):
+    r"""Base of the gradient hooks: an optimizer step pre-hook that rewrites ``.grad``.
+
+    A subclass sets ``prefix`` and ``technique``, implements ``_check_settings`` and
+    ``_unit_``, and may implement ``_check_group``; see the module docstring.
+
+    What the base does, the same for every technique:
+
+    - :meth:`attach` registers the hook with ``register_step_pre_hook`` and returns the
+      :class:`~torch.utils.hooks.RemovableHandle`. LBFGS is refused (it evaluates its closure
+      many times per step), and so is a second hook of the same class on one optimizer (it
+      would apply the technique twice).
+    - Every param group and parameter is checked when attaching and again before each step
+      (groups may be added later), with one function, before anything changes.
+    - ``step(closure)``: the hook evaluates the closure itself, rewrites the fresh gradients
+      and hands the optimizer a closure that returns that loss once.
+    - Parameters are grouped per param group, device, dtype and sharding; DTensor parameters
+      (FSDP2, HSDP, tensor parallel) get the norms of their full tensors, with one all-reduce
+      per sharded mesh dimension for all of them.
+    - AMP with a fused optimizer: ``GradScaler.step`` sets ``optimizer.grad_scale`` and
+      ``optimizer.found_inf`` and leaves the gradients scaled, for the fused step to unscale.
+      The hook then computes from the scaled gradients divided by the scale, in float32, and
+      writes the *unscaled* result into ``.grad`` (rounded once); it unscales the gradients of
+      groups that opt out too; then it sets ``optimizer.grad_scale = None``, so the fused step
+      does not divide again, and sets ``optimizer.found_inf`` to 1 where a written value is
+      not finite, so that a genuine overflow still skips the step. (That overflow is in the
+      hook's result, not in the scaled gradients, so the scaler does not lower its scale for
+      it.) This is GradScaler's private protocol, reached through ``_torch_compat``. Ordinary
+      optimizers under GradScaler see unscaled gradients and need none of it.
+    - ``foreach``: None picks the fastest multi-tensor mix, True forces ``torch._foreach_*``
+      ops, False takes one tensor at a time (for tensor types the multi-tensor ops refuse).
+    - Nothing is read back to the host: the hook traces under ``torch.compile(fullgraph=True)``.
+    """
+
+    prefix: ClassVar[str]
+    technique: ClassVar[str]
+
+    def __init__(self, settings: S, *, foreach: bool | None = None) -> None:
+        self._settings = settings
+        self._foreach = check_foreach(foreach)
+        self._last_values: list[Tensor] = []
+        self._warned: weakref.WeakKeyDictionary[torch.optim.Optimizer, set[int]] = (
+            weakref.WeakKeyDictionary()
+        )
+
+    @classmethod
+    def _check_settings(cls, values: Mapping[str, object], prefix: str) -> S:
+        """Validates ``values`` (every field of the settings) and builds the settings.
+
+        Errors name each setting as ``prefix + name``.
+        """
+        raise NotImplementedError
+
+    def _unit_(
+        self,
+        params: list[Tensor],
+        grads: list[Tensor],
+        settings: S,
+        lr: Lr,
+        grad_scale: Tensor | None,
+        found_inf: Tensor | None,
+        *,
+        norms: tuple[Tensor, Tensor] | None = None,
+        foreach: bool | None = None,
+    ) -> Tensor:
+        """The technique on one unit; a :class:`UnitFunction`."""
+        raise NotImplementedError
+
+    def _check_group(self, group: Mapping[str, Any], settings: S) -> str | None:
+        """Raises for a param group the technique cannot serve; returns a warning or None."""
+        return None
+
+    @property
+    def foreach(self) -> bool | None:
+        return self._foreach
+
+    def attach(self, optimizer: torch.optim.Optimizer) -> RemovableHandle:
+        """Registers the hook with ``optimizer.register_step_pre_hook``.
+
+        The optimizer's class, ``state_dict`` and LR schedulers are untouched; remove the hook
+        with the returned handle's ``remove()``.
+
+        Args:
+            optimizer: any instance of :class:`torch.optim.Optimizer`.
+
+        Returns:
+            The handle of the registered pre-hook.
+        """
+        name = type(self).__name__
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(
+                f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}"
+            )
+        if isinstance(optimizer, torch.optim.LBFGS):
+            raise TypeError(
+                f"{name} cannot be attached to LBFGS: LBFGS evaluates its closure many times "
+                "per step, and the hook can only rewrite the gradients of one evaluation"
+            )
+        attached = _ATTACHED.setdefault(optimizer, {})
+        previous = attached.get(type(self))
+        if previous is not None and compat.is_handle_registered(previous[1]):
+            if previous[0] is self:
+                raise RuntimeError(
+                    f"this {name} is already attached to this {type(optimizer).__name__}; "
+                    "remove the first handle before attaching it again"
+                )
+            raise RuntimeError(
+                f"another {name} ({previous[0]!r}) is already attached to this "
+                f"{type(optimizer).__name__}; two would apply {self.technique} twice. Remove "
+                "the first one with its handle's remove() before attaching this one"
+            )
+        self._check_optimizer(optimizer)
+        handle = optimizer.register_step_pre_hook(self._pre_step)
+        attached[type(self)] = (self, handle)
+        return handle
+
+    def _check_optimizer(self, optimizer: torch.optim.Optimizer) -> list[S | None]:
+        """Every param group's settings (None where it opts out), after checking its params."""
+        settings_of = []
+        for index, group in enumerate(optimizer.param_groups):
+            settings_of.append(self._group_settings(optimizer, group, index))
+            for position, param in enumerate(group["params"]):
+                if not isinstance(param, Tensor) or not param.is_floating_point():
+                    check_param(
+                        param, f"parameter {position} of param group {index}", self.technique
+                    )
+        return settings_of
+
+    def _group_settings(
+        self, optimizer: torch.optim.Optimizer, group: Mapping[str, Any], index: int
+    ) -> S | None:
+        prefix = self.prefix
+        enabled = group.get(prefix, True)
+        if not isinstance(enabled, bool):
+            raise TypeError(
+                f'param group {index}: "{prefix}" must be a bool, got "{prefix}"={enabled!r}'
+            )
+        overrides = {}
+        for key, value in group.items():
+            if key.startswith(prefix + "_"):
+                overrides[key[len(prefix) + 1 :]] = value
+        current: Any = self._settings
+        names = [field.name for field in fields(current)]
+        unknown = sorted(set(overrides) - set(names))
+        if unknown:
+            raise ValueError(
+                f"param group {index}: unknown key '{prefix}_{unknown[0]}'; expected one of "
+                + ", ".join(f"'{prefix}_{name}'" for name in names)
+            )
+        if not enabled:
+            return None
+        settings = self._settings
+        try:
+            if overrides:
+                merged = {name: getattr(current, name) for name in names} | overrides
+                settings = self._check_settings(merged, prefix + "_")
+            warning = self._check_group(group, settings)
+        except (TypeError, ValueError) as error:
+            raise type(error)(f"param group {index}: {error}") from None
+        if warning is not None:
+            warned = self._warned.setdefault(optimizer, set())
+            if index not in warned:
+                warned.add(index)
+                warnings.warn(f"param group {index}: {warning}", UserWarning, stacklevel=4)
+        return settings
+
+    def _pre_step(
+        self, optimizer: torch.optim.Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+        name = type(self).__name__
+        if "grad_scaler" in kwargs:
+            raise RuntimeError(
+                f"{type(optimizer).__name__}.step received a grad_scaler argument (the "
+                f"deprecated GradScaler protocol); {name} cannot tell whether those "
+                "gradients are scaled. Use an optimizer without a grad_scaler parameter"
+            )
+        # Everything that does not depend on the gradients is checked before the closure runs,
+        # so a bad param group leaves the model untouched.
+        settings_of = self._check_optimizer(optimizer)
+        closure, args, kwargs = _take_closure(args, kwargs)
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        jobs: list[_Job[S] | None] = []
+        skipped: list[Tensor] = []
+        for index, (group, settings) in enumerate(
+            zip(optimizer.param_groups, settings_of, strict=True)
+        ):
+            params, positions = [], []
+            for position, param in enumerate(group["params"]):
+                if param.grad is not None:
+                    if param.grad.layout != torch.strided:
+                        check_dense_grad(
+                            param, f"parameter {position} of param group {index}", self.technique
+                        )
+                    params.append(param)
+                    positions.append(position)
+            if settings is None:
+                skipped.extend(params)
+                jobs.append(None)
+            else:
+                jobs.append(_Job(settings, params, _namer(index, positions), group.get("lr")))
+        grad_scale, found_inf = compat.grad_scale(optimizer), compat.found_inf(optimizer)
+        with torch.no_grad():
+            self._last_values = _run_(
+                jobs, self._unit_, self.technique, self._foreach, grad_scale, found_inf
+            )
+            if grad_scale is not None:
+                self._unscale_skipped_(skipped, grad_scale, found_inf)
+                compat.clear_grad_scale(optimizer)
+        if closure is None:
+            return None
+        kwargs["closure"] = _SingleUseClosure(loss, optimizer, name)
+        return args, kwargs
+
+    def _unscale_skipped_(
+        self, params: list[Tensor], grad_scale: Tensor, found_inf: Tensor | None
+    ) -> None:
+        """Unscales the gradients the technique left alone, since the step will not."""
+        groups: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
+        dtensor = compat.dtensor_type()
+        for param in params:
+            grad: Any = param.grad
+            if dtensor is not None and isinstance(grad, dtensor):
+                grad = grad.to_local()
+            groups.setdefault((grad.device, grad.dtype), []).append(grad)
+        for (device, _), grads in groups.items():
+            flag = torch.zeros((), dtype=torch.float32, device=device)
+            unscale_and_check_(grads, flag, inverse_scale(grad_scale, device), self._foreach)
+            if found_inf is not None:
+                found_inf.copy_(torch.maximum(found_inf, flag.to(found_inf.device)))
+
+
+class _SingleUseClosure:
+    """Hands the optimizer the loss of a closure the hook already evaluated."""
+
+    def __init__(self, loss: Any, optimizer: torch.optim.Optimizer, hook_name: str) -> None:
+        self._loss = loss
+        self._optimizer_name = type(optimizer).__name__
+        self._hook_name = hook_name
+        self._calls = 0
+
+    def __call__(self) -> Any:
+        self._calls += 1
+        if self._calls > 1:
+            raise RuntimeError(
+                f"{self._optimizer_name} called its closure more than once in one step; "
+                f"{self._hook_name} rewrites the gradients of a single evaluation, so it cannot "
+                "be used with optimizers that re-evaluate the loss (such as LBFGS)"
+            )
+        return self._loss
+
+
+def _namer(group_index: int, positions: list[int]) -> Callable[[int], str]:
+    """Names the i-th parameter with a gradient by its place in the optimizer, on demand."""
+    return lambda i: f"parameter {positions[i]} of param group {group_index}"
+
+
+def _take_closure(
+    args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[Callable[[], Any] | None, tuple[Any, ...], dict[str, Any]]:
+    """Splits ``optimizer.step``'s closure from its other arguments.
+
+    ``args`` starts with the optimizer itself (the hook sees ``step``'s bound arguments).
+    """
+    kwargs = dict(kwargs)
+    if "closure" in kwargs:
+        return kwargs.pop("closure"), args, kwargs
+    if len(args) > 1:
+        return args[1], args[:1] + args[2:], kwargs
+    return None, args, kwargs

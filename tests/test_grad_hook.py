@@ -1,0 +1,157 @@
+"""GradientHook, the base of the gradient hooks, on a toy technique written the intended way.
+
+``Scale`` multiplies every gradient by ``factor``: the whole subclass is its settings, their
+check, a prefix and a pure unit function, as AGC or a trust-ratio hook would be.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+from helpers import assert_grad_scaler_matches_unscaled
+from normhooks import GradientLARS
+from normhooks._checks import positive
+from normhooks._grad_hook import GradientHook, apply_to_parameters_, inverse_scale
+
+
+@dataclass(frozen=True)
+class ScaleSettings:
+    factor: float
+
+
+def scale_unit_(
+    params: list[Tensor],
+    grads: list[Tensor],
+    settings: ScaleSettings,
+    lr: float | Tensor | None,
+    grad_scale: Tensor | None,
+    found_inf: Tensor | None,
+    *,
+    norms: tuple[Tensor, Tensor] | None = None,
+    foreach: bool | None = None,
+) -> Tensor:
+    factor = torch.tensor(settings.factor, device=grads[0].device)
+    if grad_scale is not None:
+        factor = factor * inverse_scale(grad_scale, grads[0].device)
+    for grad in grads:
+        grad.mul_(factor.to(grad.dtype))
+    if found_inf is not None:
+        flags = torch.stack([(~torch.isfinite(g)).any() for g in grads]).any()
+        found_inf.copy_(torch.maximum(found_inf, flags.float()))
+    return torch.full((len(grads),), settings.factor)
+
+
+class Scale(GradientHook[ScaleSettings]):
+    prefix = "scale"
+    technique = "gradient scaling"
+
+    def __init__(self, factor: float = 2.0, *, foreach: bool | None = None) -> None:
+        super().__init__(self._check_settings({"factor": factor}, ""), foreach=foreach)
+
+    @classmethod
+    def _check_settings(cls, values: Mapping[str, object], prefix: str) -> ScaleSettings:
+        return ScaleSettings(factor=positive(prefix + "factor", values["factor"]))
+
+    def _unit_(self, *args: Any, **kwargs: Any) -> Tensor:
+        return scale_unit_(*args, **kwargs)
+
+
+def model() -> nn.Module:
+    return nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.Linear(6, 2))
+
+
+def test_groups_opt_out_and_override_with_the_prefix() -> None:
+    first, second, third = (nn.Parameter(torch.ones(2)) for _ in range(3))
+    for param in (first, second, third):
+        param.grad = torch.ones(2)
+    optimizer = torch.optim.SGD(
+        [{"params": [first]}, {"params": [second], "scale_factor": 5.0}, {"params": [third]}],
+        lr=0.0,
+    )
+    optimizer.param_groups[2]["scale"] = False
+    hook = Scale(3.0)
+    hook.attach(optimizer)
+    optimizer.step()
+    assert [p.grad.tolist() for p in (first, second, third)] == [[3, 3], [5, 5], [1, 1]]
+    assert [v.tolist() for v in hook._last_values] == [[3.0], [5.0], []]
+
+
+def test_unknown_key_and_bad_override_name_the_prefix() -> None:
+    optimizer = torch.optim.SGD([{"params": model().parameters(), "scale_factr": 2.0}], lr=0.1)
+    with pytest.raises(ValueError, match="param group 0: unknown key 'scale_factr'; expected "):
+        Scale().attach(optimizer)
+    optimizer = torch.optim.SGD([{"params": model().parameters(), "scale_factor": 0.0}], lr=0.1)
+    with pytest.raises(ValueError, match="param group 0: scale_factor must be positive"):
+        Scale().attach(optimizer)
+
+
+def test_hooks_of_different_classes_share_an_optimizer() -> None:
+    optimizer = torch.optim.SGD(model().parameters(), lr=0.1)
+    Scale().attach(optimizer)
+    GradientLARS().attach(optimizer)
+    with pytest.raises(RuntimeError, match="another Scale"):
+        Scale().attach(optimizer)
+
+
+def test_grad_scaler_protocol_for_a_new_technique() -> None:
+    """A unit function that writes unscaled values gets the base's AMP handling for free."""
+
+    def make(fused: bool) -> Any:
+        def build(m: nn.Module) -> torch.optim.Optimizer:
+            groups = [
+                {"params": [m[0].weight, m[2].weight]},
+                {"params": [m[0].bias, m[2].bias], "scale": False},
+            ]
+            optimizer = torch.optim.Adam(groups, lr=1e-2, fused=fused)
+            Scale(0.5).attach(optimizer)
+            return optimizer
+
+        return build
+
+    assert_grad_scaler_matches_unscaled(
+        model(), torch.randn(8, 4), make(True), make(False), rtol=1e-6, atol=1e-7
+    )
+
+
+def test_functional_form() -> None:
+    params = [nn.Parameter(torch.ones(3)), nn.Parameter(torch.ones(2))]
+    params[0].grad = torch.ones(3)
+    values = apply_to_parameters_(
+        params, ScaleSettings(4.0), scale_unit_, technique="gradient scaling", foreach=None
+    )
+    assert values.tolist() == [4.0]
+    assert params[0].grad.tolist() == [4.0] * 3
+    assert params[1].grad is None
+
+
+def test_closure_is_evaluated_once_by_the_hook() -> None:
+    net = model()
+    plain = copy.deepcopy(net)
+    x = torch.randn(8, 4)
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
+    Scale(2.0).attach(optimizer)
+    calls = []
+
+    def closure() -> Tensor:
+        calls.append(1)
+        optimizer.zero_grad()
+        loss = net(x).square().mean()
+        loss.backward()
+        return loss
+
+    optimizer.step(closure)
+    assert calls == [1]
+    plain.zero_grad()
+    plain(x).square().mean().backward()
+    with torch.no_grad():
+        for param in plain.parameters():
+            param.sub_(0.2 * param.grad)
+    for got, expected in zip(net.parameters(), plain.parameters(), strict=True):
+        torch.testing.assert_close(got, expected)
