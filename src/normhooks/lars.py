@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from normhooks import _checks
+from normhooks import _checks, _kernels
 from normhooks import _torch_compat as compat
 from normhooks._grad_hook import (
     GradientHook,
@@ -118,12 +118,27 @@ def lars_unit_(
 ) -> Tensor:
     """LARS on one unit (one device, dtype and sharding); returns the rates, in order.
 
-    This is the whole per-unit computation, the place where a fused kernel can take over.
+    This is the whole per-unit computation. On CUDA with Triton, a fused kernel does all of
+    it (sharded units excepted: their norms need an all-reduce between its two launches).
     ``grads`` may be scaled by ``grad_scale`` (a fused optimizer under GradScaler): the rates
     use the true gradient's norm and the unscaled result is written. ``found_inf`` is set to
     1 where a written value is not finite. ``norms`` are ``(||w||, ||g||)`` of the full
     tensors when ``params`` are shards; otherwise they are computed here.
     """
+    if norms is None and _kernels.available(params[0]):
+        # Two launches whatever the number of tensors, the GradScaler protocol included.
+        return _kernels.lars_unit_(
+            params,
+            grads,
+            threshold=settings.threshold,
+            weight_decay=settings.weight_decay,
+            eps=settings.eps,
+            trust_coefficient=settings.trust_coefficient,
+            lr=lr,
+            clip=settings.clip,
+            grad_scale=grad_scale,
+            found_inf=found_inf,
+        )
     if norms is None:
         w_norm, g_norm = euclidean_norms(params, foreach), euclidean_norms(grads, foreach)
     else:

@@ -17,7 +17,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn.utils import parametrize
 
-from normhooks import _checks, _parametrize
+from normhooks import _checks, _kernels, _parametrize
 from normhooks._parametrize import describe, output_axis
 from normhooks._precision import upcast
 from normhooks._torch_compat import ConvNd
@@ -74,8 +74,8 @@ def standardize_weight(
 
     for each index :math:`c` of axis ``dim``, with statistics over all other axes and the
     biased variance: one normalization kernel over the reshaped weight (``group_norm`` on the
-    CPU, ``layer_norm`` elsewhere). float16/bfloat16 weights are standardized in float32 and
-    the result is rounded once.
+    CPU; on CUDA a fused Triton kernel, or ``layer_norm`` without Triton). float16/bfloat16
+    weights are standardized in float32 and the result is rounded once.
 
     Args:
         weight: a tensor with at least 2 dimensions.
@@ -100,16 +100,19 @@ def standardize_weight(
                 [ 0.0000,  0.0000,  0.0000]])
     """
     rows, shape = _rows(weight, dim, groups)
-    exact = upcast(rows)
-    if exact.numel() == 0:
+    if rows.numel() == 0:
         return weight.clone()
+    if _kernels.available(rows):
+        # One fused kernel forward and one backward, statistics in float32 for halves.
+        return _unrows(_kernels.standardize_rows(rows, eps, gain), shape, dim, groups)
+    exact = upcast(rows)
     if exact.device.type == "cpu":
         # Each row as one sample of a one-group group norm, which is how Chainer computes it;
         # on the CPU its kernel is several times faster than layer_norm's for rows this long.
         standardized = torch.group_norm(exact.unsqueeze(1), 1, None, None, eps).squeeze(1)
     else:
-        # On a GPU both are launch-bound for weights, and layer_norm launches fewer kernels
-        # (benchmarks/gpu.py measures both).
+        # Without Triton on a GPU: both are launch-bound for weights, and layer_norm launches
+        # fewer kernels.
         standardized = torch.layer_norm(exact, exact.shape[1:], None, None, eps)
     if gain is not None:
         standardized = standardized * gain.to(standardized.dtype).view(-1, 1)
