@@ -9,7 +9,6 @@ that run everywhere else.
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -28,7 +27,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:.*encountered in:RuntimeWarning"
 
 
 @pytest.fixture
-def kernels_on_cpu(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
+def kernels_on_cpu(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """Routes every dispatch to the kernels, counting the times it was asked."""
     asked = [0]
     plain = (torch.Tensor, nn.Parameter)
@@ -38,7 +37,7 @@ def kernels_on_cpu(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
         return type(tensor) in plain and not torch.compiler.is_compiling()
 
     monkeypatch.setattr(_kernels, "available", available)
-    yield asked
+    return asked
 
 
 def cnn(dtype: torch.dtype) -> nn.Sequential:
