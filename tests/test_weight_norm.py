@@ -8,6 +8,7 @@ import importlib
 import io
 import warnings
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -993,3 +994,169 @@ def test_apply_warns_about_torch_weight_norm_it_leaves() -> None:
     with pytest.warns(UserWarning, match=r"left torch's weight norm on 1\.weight"):
         apply_weight_norm(model, layer_types=nn.Linear)
     assert normalization._parametrize.has_torch_weight_norm(model[1], "weight")
+
+
+# --- torch.func -------------------------------------------------------------------------------
+
+FUNC_MODELS: dict[str, Callable[[], nn.Module]] = {
+    # dim 0, default eps: torch's fused op on the CPU outside transforms
+    "conv-fused": lambda: apply_weight_norm(
+        nn.Sequential(nn.Conv1d(3, 4, 3), nn.Tanh(), nn.Flatten(), nn.Linear(16, 2))
+    ),
+    # eps that does not round away, and a transposed convolution's dim 0
+    "deconv-eps": lambda: apply_weight_norm(
+        nn.Sequential(nn.ConvTranspose1d(3, 2, 3), nn.Tanh(), nn.Flatten(), nn.Linear(16, 2)),
+        eps=1e-4,
+    ),
+    # a zero row of v (the padding row)
+    "embedding-padding": lambda: nn.Sequential(
+        weight_norm(nn.Embedding(7, 6, padding_idx=0), eps=1e-4),
+        nn.Flatten(),
+        weight_norm(nn.Linear(18, 2)),
+    ),
+}
+
+
+def func_input(case: str, batch: int) -> torch.Tensor:
+    if case == "embedding-padding":
+        return torch.tensor([[0, 3, 5], [1, 0, 2], [6, 4, 0], [2, 2, 1]])[:batch]
+    return torch.randn(batch, 3, 6, dtype=torch.float64)
+
+
+def func_model(case: str, training: bool) -> nn.Module:
+    model = FUNC_MODELS[case]().double()
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, nn.Embedding):
+                module.parametrizations.weight.original0.uniform_(0.5, 2.0)
+    return model.train(training)
+
+
+def params_of(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: p.detach() for k, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
+@pytest.mark.parametrize("case", FUNC_MODELS)
+def test_func_grad_matches_autograd(case: str, training: bool) -> None:
+    model = func_model(case, training)
+    x = func_input(case, 4)
+
+    def loss(params: dict[str, torch.Tensor]) -> torch.Tensor:
+        return torch.func.functional_call(model, params, (x,)).square().sum()
+
+    grads = torch.func.grad(loss)(params_of(model))
+    model(x).square().sum().backward()
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(grads[name], param.grad)
+
+
+@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
+@pytest.mark.parametrize("case", FUNC_MODELS)
+def test_func_vmap_per_sample_gradients(case: str, training: bool) -> None:
+    model = func_model(case, training)
+    x = func_input(case, 4)
+
+    def loss(params: dict[str, torch.Tensor], sample: torch.Tensor) -> torch.Tensor:
+        return torch.func.functional_call(model, params, (sample.unsqueeze(0),)).square().sum()
+
+    per_sample = torch.func.vmap(torch.func.grad(loss), in_dims=(None, 0))(params_of(model), x)
+    for i in range(x.shape[0]):
+        model.zero_grad()
+        model(x[i : i + 1]).square().sum().backward()
+        for name, param in model.named_parameters():
+            torch.testing.assert_close(per_sample[name][i], param.grad)
+
+
+@pytest.mark.parametrize("case", FUNC_MODELS)
+def test_func_ensemble_with_stack_module_state(case: str) -> None:
+    models = [func_model(case, True) for _ in range(3)]
+    params, buffers = torch.func.stack_module_state(models)  # type: ignore[arg-type]
+    base = copy.deepcopy(models[0]).to("meta")
+    x = func_input(case, 4)
+
+    def run(p: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> torch.Tensor:
+        return torch.func.functional_call(base, (p, b), (x,))
+
+    outputs = torch.func.vmap(run)(params, buffers)
+    for output, model in zip(outputs, models, strict=True):
+        torch.testing.assert_close(output, model(x))
+
+
+@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
+@pytest.mark.parametrize("case", FUNC_MODELS)
+def test_func_jvp_matches_central_differences(case: str, training: bool) -> None:
+    model = func_model(case, training)
+    x = func_input(case, 4)
+    params = params_of(model)
+    # Along a zero row, v / (||v|| + eps) has the derivative 1 / eps but a |h| term next to
+    # it: central differences converge only at first order there, so the tangent spares it.
+    tangents = {k: torch.randn_like(p) * (p != 0).any(-1, keepdim=True) for k, p in params.items()}
+
+    def run(p: dict[str, torch.Tensor]) -> torch.Tensor:
+        return torch.func.functional_call(model, p, (x,))
+
+    _, jvp = torch.func.jvp(run, (params,), (tangents,))
+    h = 1e-6
+    plus = run({k: p + h * tangents[k] for k, p in params.items()})
+    minus = run({k: p - h * tangents[k] for k, p in params.items()})
+    torch.testing.assert_close(jvp, (plus - minus) / (2 * h), rtol=1e-6, atol=1e-7)
+
+
+# --- tracing and export -----------------------------------------------------------------------
+
+
+def export_model(eps: float = 1e-12) -> nn.Module:
+    # The default eps rounds away: torch's fused op would run on the CPU outside export.
+    return apply_weight_norm(
+        nn.Sequential(
+            nn.Conv1d(3, 4, 3),
+            nn.ReLU(),
+            nn.ConvTranspose1d(4, 2, 3, stride=2),
+            nn.Flatten(),
+            nn.Linear(18, 2),
+        ),
+        eps=eps,
+    ).eval()
+
+
+@pytest.mark.parametrize("eps", [1e-12, 1e-4], ids=["fused-eps", "eps"])
+@pytest.mark.parametrize("dynamo", [False, True], ids=["torchscript", "dynamo"])
+def test_onnx_export_runs_the_formula(dynamo: bool, eps: float, tmp_path: Any) -> None:
+    import onnx  # a dev dependency, like onnxscript for the dynamo exporter
+    from onnx.reference import ReferenceEvaluator
+
+    model = export_model(eps)
+    x = torch.randn(2, 3, 6)
+    path = tmp_path / "model.onnx"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(model, (x,), str(path), dynamo=dynamo, input_names=["x"])
+    graph = onnx.load(str(path))
+    ops = {node.op_type for node in graph.graph.node}
+    assert not any("weight_norm" in op.lower() or op == "PythonOp" for op in ops), ops
+    # A new input: the exported graph computes W from g and v, nothing baked from x.
+    other = torch.randn(2, 3, 6)
+    (output,) = ReferenceEvaluator(graph).run(None, {"x": other.numpy()})
+    with torch.no_grad():
+        torch.testing.assert_close(torch.from_numpy(output), model(other), rtol=1e-5, atol=1e-6)
+
+
+def test_torch_export_matches_eager() -> None:
+    model = export_model()
+    x = torch.randn(2, 3, 6)
+    program = torch.export.export(model, (x,))
+    other = torch.randn(2, 3, 6)
+    with torch.no_grad():
+        torch.testing.assert_close(program.module()(other), model(other))
+
+
+def test_jit_trace_does_not_bake_the_fast_path_check() -> None:
+    model = export_model()
+    x = torch.randn(2, 3, 6)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        traced = torch.jit.trace(model, (x,), check_trace=False)
+    with torch.no_grad():
+        model[0].parametrizations.weight.original1[1].zero_()  # a zero row: another path
+        torch.testing.assert_close(traced(x), model(x))
