@@ -276,7 +276,8 @@ def test_ddi_warns_about_constant_units() -> None:
     model = apply_weight_norm(nn.Sequential(nn.Linear(3, 2)))
     x = torch.randn(8, 3)
     x[:, :] = x[:1]  # every sample equal: each unit's pre-activation is constant
-    with pytest.warns(UserWarning, match=r"constant pre-activations .*\(0 \(Linear\): 2 of 2 units"):
+    match = r"constant pre-activations .*\(0 \(Linear\): 2 of 2 units"
+    with pytest.warns(UserWarning, match=match):
         data_dependent_init(model, x)
     g = model[0].parametrizations.weight.original0
     torch.testing.assert_close(g, torch.ones_like(g))
