@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+from collections.abc import Callable
 
 import torch
 from torch import Tensor, nn
@@ -33,12 +34,12 @@ class LSTMModel(nn.Module):
         return self.head(self.lstm(x)[0][:, -1])
 
 
-def with_torch_weight_norm(model: nn.Module) -> nn.Module:
-    """torch's weight_norm on every parameter that normhooks converts (2 or more dims)."""
+def on_every_matrix(convert: Callable[[nn.Module, str], object], model: nn.Module) -> nn.Module:
+    """``convert(module, name)`` on every parameter with 2 or more dims (the LSTM's too)."""
     for module in list(model.modules()):
         for name, param in list(module.named_parameters(recurse=False)):
             if param.ndim >= 2:
-                torch_weight_norm(module, name)
+                convert(module, name)
     return model
 
 
@@ -48,8 +49,8 @@ def compare(
     models = {
         "plain": plain,
         "plain, a second copy (noise)": copy.deepcopy(plain),
-        "normhooks weight_norm": weight_norm(copy.deepcopy(plain)),
-        "torch weight_norm": with_torch_weight_norm(copy.deepcopy(plain)),
+        "normhooks weight_norm": on_every_matrix(weight_norm, copy.deepcopy(plain)),
+        "torch weight_norm": on_every_matrix(torch_weight_norm, copy.deepcopy(plain)),
         "empty parametrization (floor)": with_empty_parametrizations(copy.deepcopy(plain)),
     }
     compare_models(title, models, x, target, device, repeats)

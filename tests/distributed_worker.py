@@ -21,6 +21,7 @@ from torch import nn
 
 from normhooks import (
     GradientLARS,
+    apply_weight_norm,
     data_dependent_init,
     lars_,
     lars_param_groups,
@@ -139,7 +140,7 @@ def ddp(rank: int, world: int, out: Path) -> dict[str, Any]:
         "init": after_init,
         "rates": rates,
         "params": full_parameters(model),
-        "refused_after_wrap": refused(lambda: weight_norm(wrapped)),
+        "refused_after_wrap": refused(lambda: apply_weight_norm(wrapped)),
     }
 
 

@@ -15,6 +15,7 @@ from helpers import assert_compiled_training_matches_eager, assert_grad_scaler_m
 from normhooks import (
     GradientLARS,
     apply_weight_standardization,
+    convert_with_weight_normalization,
     data_dependent_init,
     lars_param_groups,
     standardize_weight,
@@ -103,7 +104,7 @@ def test_ws_and_wn_match_cpu() -> None:
 @pytest.mark.parametrize("rnn_type", [nn.LSTM, nn.GRU], ids=["lstm", "gru"])
 def test_cudnn_rnn_with_weight_norm(rnn_type: type[nn.RNNBase]) -> None:
     torch.manual_seed(0)
-    cpu = weight_norm(rnn_type(8, 16, num_layers=2, bidirectional=True))
+    cpu = convert_with_weight_normalization(rnn_type, 8, 16, num_layers=2, bidirectional=True)
     gpu = copy.deepcopy(cpu).cuda()
     x = torch.randn(5, 3, 8)
     optimizer = torch.optim.SGD(gpu.parameters(), lr=0.1)

@@ -19,8 +19,10 @@ pytest.importorskip("triton", reason="the fused kernels need Triton")
 from normhooks import (
     GradientLARS,
     _kernels,
+    apply_weight_norm,
     apply_weight_standardization,
     lars_param_groups,
+    weight_norm,
 )
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*encountered in:RuntimeWarning")
@@ -65,6 +67,42 @@ def test_weight_standardization_through_the_kernel(kernels_on_cpu: list[int], sc
     out = fused(x)
     out.square().sum().backward()
     assert kernels_on_cpu[0] > asked
+    torch.testing.assert_close(out, expected)
+    for a, b in zip(fused.parameters(), eager.parameters(), strict=True):
+        torch.testing.assert_close(a.grad, b.grad)
+
+
+@pytest.mark.parametrize("eps", [1e-12, 0.0, 0.5])
+def test_weight_norm_through_the_kernel(kernels_on_cpu: list[int], eps: float) -> None:
+    eager = apply_weight_norm(cnn(torch.float64), eps=eps)
+    with torch.no_grad():
+        eager[0].parametrizations.weight.original1[1].zero_()  # a zero row
+    fused = copy.deepcopy(eager)
+    x = torch.randn(2, 2, 5, 5, dtype=torch.float64)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(_kernels, "available", lambda tensor: False)
+        expected = eager(x)
+        expected.square().sum().backward()
+    asked = kernels_on_cpu[0]
+    out = fused(x)
+    out.square().sum().backward()
+    assert kernels_on_cpu[0] > asked
+    torch.testing.assert_close(out, expected)
+    for a, b in zip(fused.parameters(), eager.parameters(), strict=True):
+        assert torch.isfinite(a.grad).all()
+        torch.testing.assert_close(a.grad, b.grad)
+
+
+def test_weight_norm_of_the_output_axis_through_the_kernel(kernels_on_cpu: list[int]) -> None:
+    eager = weight_norm(nn.ConvTranspose2d(4, 6, 2, stride=2, groups=2).double(), dim=1)
+    fused = copy.deepcopy(eager)
+    x = torch.randn(2, 4, 3, 3, dtype=torch.float64)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(_kernels, "available", lambda tensor: False)
+        expected = eager(x)
+        expected.square().sum().backward()
+    out = fused(x)
+    out.square().sum().backward()
     torch.testing.assert_close(out, expected)
     for a, b in zip(fused.parameters(), eager.parameters(), strict=True):
         torch.testing.assert_close(a.grad, b.grad)

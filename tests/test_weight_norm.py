@@ -1,4 +1,5 @@
-"""Weight normalization: conversion, the seed's self-test, RNNs, interop, DDI, errors."""
+"""Weight normalization: conversion, the seed's self-test, RNNs, torch interop and takeover,
+transforms and export, errors. The data-dependent init has its own file."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import importlib
 import io
 import warnings
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -18,8 +20,8 @@ from torch.nn.utils import parametrize
 from helpers import LAYERS, assert_compiled_training_matches_eager, input_for
 from normhooks import (
     WeightNorm,
+    apply_weight_norm,
     convert_with_weight_normalization,
-    data_dependent_init,
     remove_weight_norm,
     weight_norm,
     weight_standardization,
@@ -56,7 +58,7 @@ def test_conversion_keeps_output_and_gives_unit_rows(name: str) -> None:
     weight_norm(layer)
     torch.testing.assert_close(layer(*inputs), before)
     v = layer.parametrizations.weight.original1
-    dim = 1 if isinstance(layer, nn.modules.conv._ConvTransposeNd) else 0
+    dim = 0  # every layer, transposed convolutions included: torch's and Chainer's layout
     dims = [d for d in range(v.ndim) if d != dim]
     norms = torch.linalg.vector_norm(v, dim=dims)
     torch.testing.assert_close(norms, torch.ones(v.shape[dim], dtype=v.dtype))
@@ -64,20 +66,19 @@ def test_conversion_keeps_output_and_gives_unit_rows(name: str) -> None:
     assert g.shape == tuple(v.shape[d] if d == dim else 1 for d in range(v.ndim))
 
 
-def test_name_none_converts_every_matrix_in_the_tree() -> None:
+def test_apply_converts_every_layer_weight_in_the_tree() -> None:
     model = nn.Sequential(
         nn.Conv2d(3, 4, 3),
         nn.BatchNorm2d(4),
         nn.Sequential(nn.Flatten(), nn.Linear(4, 2)),
     )
-    weight_norm(model)
+    apply_weight_norm(model)
     assert wn_names(model) == ["0.weight", "2.1.weight"]
     assert not parametrize.is_parametrized(model[1])
 
 
 def test_lstm_every_layer_and_direction() -> None:
-    lstm = nn.LSTM(3, 4, num_layers=2, bidirectional=True)
-    weight_norm(lstm)
+    lstm = convert_with_weight_normalization(nn.LSTM, 3, 4, num_layers=2, bidirectional=True)
     expected = {
         f"weight_{kind}_l{layer}{suffix}"
         for kind in ("ih", "hh")
@@ -92,7 +93,8 @@ def test_multihead_attention_projections() -> None:
     attention = nn.MultiheadAttention(8, 2)
     x = torch.randn(5, 3, 8)
     before, _ = attention(x, x, x)
-    weight_norm(attention)
+    for name, owner in (("in_proj_weight", attention), ("weight", attention.out_proj)):
+        weight_norm(owner, name)
     assert set(wn_names(attention)) == {"in_proj_weight", "out_proj.weight"}
     after, _ = attention(x, x, x)
     torch.testing.assert_close(after, before, rtol=1e-5, atol=1e-6)
@@ -115,12 +117,26 @@ def test_tied_module_is_unaffected_by_converting_one_owner() -> None:
     torch.testing.assert_close(head.weight, embedding.weight)
 
 
-def test_name_none_refuses_tied_weights() -> None:
+def test_apply_refuses_tied_weights_even_with_an_unmatched_layer() -> None:
+    # The embedding is not a layer type apply_weight_norm converts, but converting the head
+    # alone would untie them silently.
     model = nn.ModuleDict({"embed": nn.Embedding(10, 4), "head": nn.Linear(4, 10)})
     model["head"].weight = model["embed"].weight
-    with pytest.raises(ValueError, match=r"embed\.weight and head\.weight are the same Parameter"):
-        weight_norm(model)
+    with pytest.raises(ValueError, match=r"head\.weight and embed\.weight are the same Parameter"):
+        apply_weight_norm(model)
     assert wn_names(model) == []
+
+
+def test_convert_with_weight_normalization_refuses_tied_weights() -> None:
+    class Tied(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = nn.Embedding(10, 4)
+            self.head = nn.Linear(4, 10)
+            self.head.weight = self.embed.weight
+
+    with pytest.raises(ValueError, match=r"embed\.weight and head\.weight are the same Parameter"):
+        convert_with_weight_normalization(Tied)
 
 
 def test_channels_last_conv_backward() -> None:
@@ -131,14 +147,6 @@ def test_channels_last_conv_backward() -> None:
     reference(x).square().sum().backward()
     for a, b in zip(layer.parameters(), reference.parameters(), strict=True):
         torch.testing.assert_close(a.grad, b.grad)
-
-
-def test_ddi_on_unbatched_conv_input() -> None:
-    model = weight_norm(nn.Sequential(nn.Conv1d(2, 3, 3)))
-    x = torch.randn(2, 50)
-    data_dependent_init(model, x)
-    y = model(x)
-    torch.testing.assert_close(y.std(1, unbiased=False), torch.ones(3), atol=1e-4, rtol=0)
 
 
 def test_convert_with_weight_normalization_builds_and_converts() -> None:
@@ -220,7 +228,8 @@ def test_gradcheck(name: str) -> None:
 
 @pytest.mark.parametrize("rnn_type", [nn.LSTM, nn.GRU, nn.RNN], ids=["lstm", "gru", "rnn"])
 def test_gradcheck_bidirectional_two_layer_rnn(rnn_type: type[nn.RNNBase]) -> None:
-    rnn = weight_norm(rnn_type(2, 3, num_layers=2, bidirectional=True).double())
+    rnn = convert_with_weight_normalization(rnn_type, 2, 3, num_layers=2, bidirectional=True)
+    rnn = rnn.double()
     x = torch.randn(4, 2, 2, dtype=torch.float64)
     keys = [f"parametrizations.{name}.original{i}" for name in rnn.parametrizations for i in (0, 1)]
     values = tuple(rnn.get_parameter(k).detach().clone().requires_grad_() for k in keys)
@@ -267,7 +276,7 @@ def test_double_backward() -> None:
 
 @pytest.mark.parametrize("rnn_type", [nn.LSTM, nn.GRU, nn.RNN], ids=["lstm", "gru", "rnn"])
 def test_rnn_matches_plain_rnn_with_same_effective_weights(rnn_type: type[nn.RNNBase]) -> None:
-    rnn = weight_norm(rnn_type(3, 4, num_layers=2, bidirectional=True))
+    rnn = convert_with_weight_normalization(rnn_type, 3, 4, num_layers=2, bidirectional=True)
     with torch.no_grad():
         for name in rnn.parametrizations:
             rnn.parametrizations[name].original0.uniform_(0.5, 2.0)
@@ -285,7 +294,7 @@ def test_rnn_matches_plain_rnn_with_same_effective_weights(rnn_type: type[nn.RNN
 
 
 def test_rnn_sees_updates_after_optimizer_step() -> None:
-    rnn = weight_norm(nn.LSTM(3, 4))
+    rnn = convert_with_weight_normalization(nn.LSTM, 3, 4)
     optimizer = torch.optim.SGD(rnn.parameters(), lr=0.5)
     x = torch.randn(5, 2, 3)
     before = rnn(x)[0].detach()
@@ -340,14 +349,14 @@ def test_remove_keeps_output_and_identity() -> None:
 
 
 def test_remove_everything_in_a_tree() -> None:
-    model = weight_norm(nn.Sequential(nn.Linear(3, 4), nn.LSTM(4, 2)))
+    model = convert_with_weight_normalization(nn.Sequential, nn.Linear(3, 4), nn.LSTM(4, 2))
     remove_weight_norm(model)
     assert wn_names(model) == []
     model[1](torch.randn(2, 1, 4))
 
 
 def test_remove_one_name() -> None:
-    lstm = weight_norm(nn.LSTM(3, 2))
+    lstm = convert_with_weight_normalization(nn.LSTM, 3, 2)
     remove_weight_norm(lstm, "weight_hh_l0")
     assert list(lstm.parametrizations.keys()) == ["weight_ih_l0"]
 
@@ -388,8 +397,8 @@ def test_legacy_weight_norm_checkpoint_loads() -> None:
 
 
 def test_state_dict_round_trip_through_torch_save() -> None:
-    source = weight_norm(nn.LSTM(3, 4, num_layers=2))
-    target = weight_norm(nn.LSTM(3, 4, num_layers=2))
+    source = convert_with_weight_normalization(nn.LSTM, 3, 4, num_layers=2)
+    target = convert_with_weight_normalization(nn.LSTM, 3, 4, num_layers=2)
     buffer = io.BytesIO()
     torch.save(source.state_dict(), buffer)
     buffer.seek(0)
@@ -399,7 +408,7 @@ def test_state_dict_round_trip_through_torch_save() -> None:
 
 
 def test_deepcopy() -> None:
-    model = weight_norm(nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2))).eval()
+    model = apply_weight_norm(nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2))).eval()
     x = torch.randn(2, 3)
     with torch.no_grad():
         model(x)
@@ -434,7 +443,7 @@ def test_parametrize_cached_computes_once_per_scope() -> None:
 
 
 def test_compiled_training_step_matches_eager() -> None:
-    model = weight_norm(
+    model = apply_weight_norm(
         nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Flatten(), nn.Linear(64, 2))
     )
     assert_compiled_training_matches_eager(
@@ -445,11 +454,14 @@ def test_compiled_training_step_matches_eager() -> None:
 # --- lazy modules --------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", [None, "weight"], ids=["all", "weight"])
-def test_lazy_module_converted_at_first_forward(name: str | None) -> None:
+@pytest.mark.parametrize("whole_model", [True, False], ids=["apply", "weight_norm"])
+def test_lazy_module_converted_at_first_forward(whole_model: bool) -> None:
     model = nn.Sequential(nn.LazyConv2d(4, 3), nn.ReLU(), nn.Flatten(), nn.LazyLinear(2))
-    for layer in (model[0], model[3]):
-        weight_norm(layer, name)
+    if whole_model:
+        apply_weight_norm(model)
+    else:
+        for layer in (model[0], model[3]):
+            weight_norm(layer)
     x = torch.randn(2, 3, 5, 5)
     y = model(x)
     assert wn_names(model) == ["0.weight", "3.weight"]
@@ -465,173 +477,6 @@ def test_lazy_pending_conversion_counts_as_converted() -> None:
     remove_weight_norm(layer, "weight")
     layer(torch.randn(2, 4))
     assert not parametrize.is_parametrized(layer)
-
-
-# --- data-dependent initialization ---------------------------------------------------------
-
-
-def mlp() -> nn.Module:
-    return nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 8), nn.Tanh(), nn.Linear(8, 3))
-
-
-def cnn() -> nn.Module:
-    return nn.Sequential(
-        nn.Conv2d(3, 8, 3, padding=1),
-        nn.ReLU(),
-        nn.ConvTranspose2d(8, 6, 2, stride=2),
-        nn.ReLU(),
-        nn.Conv2d(6, 4, 3, bias=False),
-        nn.Flatten(),
-        nn.Linear(4 * 14 * 14, 5),
-    )
-
-
-def layer_outputs(model: nn.Module, x: torch.Tensor) -> list[tuple[nn.Module, torch.Tensor]]:
-    outputs: list[tuple[nn.Module, torch.Tensor]] = []
-    handles = [
-        m.register_forward_hook(lambda m, a, y: outputs.append((m, y)))
-        for m in model.modules()
-        if isinstance(m, (nn.Linear, nn.modules.conv._ConvNd))
-    ]
-    with torch.no_grad():
-        model(x)
-    for handle in handles:
-        handle.remove()
-    return outputs
-
-
-@pytest.mark.parametrize(
-    ("make", "x"),
-    [(mlp, torch.randn(512, 6)), (cnn, torch.randn(64, 3, 8, 8))],
-    ids=["mlp", "cnn"],
-)
-@pytest.mark.parametrize("scale", [1.0, 0.3])
-def test_ddi_postcondition(make: Callable[[], nn.Module], x: torch.Tensor, scale: float) -> None:
-    model = weight_norm(make())
-    data_dependent_init(model, x, scale=scale)
-    outputs = layer_outputs(model, x)
-    assert len(outputs) == len(
-        [m for m in model.modules() if isinstance(m, (nn.Linear, nn.modules.conv._ConvNd))]
-    )
-    for layer, y in outputs:
-        axis = -1 if isinstance(layer, nn.Linear) else 1
-        rows = y.movedim(axis, -1).reshape(-1, y.shape[axis]).double()
-        if layer.bias is not None:  # without a bias only g is set: the std, not the mean
-            zeros = torch.zeros(rows.shape[1], dtype=torch.float64)
-            torch.testing.assert_close(rows.mean(0), zeros, atol=1e-4, rtol=0)
-        torch.testing.assert_close(
-            rows.std(0, unbiased=False),
-            torch.full((rows.shape[1],), scale, dtype=torch.float64),
-            atol=1e-4,
-            rtol=0,
-        )
-
-
-def test_ddi_sets_g_and_bias_from_first_layer_moments() -> None:
-    model = weight_norm(nn.Sequential(nn.Linear(4, 3)))
-    x = torch.randn(100, 4)
-    layer = model[0]
-    v = layer.parametrizations.weight.original1.detach()
-    t = x @ (v / v.norm(dim=1, keepdim=True)).T
-    data_dependent_init(model, x, scale=2.0)
-    std = t.std(0, unbiased=False)
-    torch.testing.assert_close(layer.parametrizations.weight.original0.view(-1), 2.0 / std)
-    torch.testing.assert_close(layer.bias, -t.mean(0) * 2.0 / std)
-
-
-def test_ddi_restores_modes_and_leaves_lstm_g() -> None:
-    class Model(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.lstm = nn.LSTM(3, 4, batch_first=True)
-            self.dropout = nn.Dropout(0.5)
-            self.head = nn.Linear(4, 2)
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return self.head(self.dropout(self.lstm(x)[0][:, -1]))
-
-    model = weight_norm(Model())
-    model.dropout.eval()
-    lstm_g = model.lstm.parametrizations.weight_ih_l0.original0.detach().clone()
-    data_dependent_init(model, torch.randn(32, 5, 3))
-    assert model.training
-    assert not model.dropout.training
-    assert model.lstm.training
-    torch.testing.assert_close(model.lstm.parametrizations.weight_ih_l0.original0, lstm_g)
-
-
-def test_ddi_tuple_and_mapping_batches() -> None:
-    class TwoInputs(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.a = nn.Linear(3, 2)
-
-        def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-            return self.a(x + y)
-
-    model = weight_norm(TwoInputs())
-    data_dependent_init(model, (torch.randn(8, 3), torch.randn(8, 3)))
-    data_dependent_init(model, {"x": torch.randn(8, 3), "y": torch.randn(8, 3)})
-
-
-def test_ddi_warns_about_unreached_layers() -> None:
-    class Partial(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.used = nn.Linear(3, 3)
-            self.unused = nn.Linear(3, 3)
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return self.used(x)
-
-    model = weight_norm(Partial())
-    g = model.unused.parametrizations.weight.original0.detach().clone()
-    with pytest.warns(UserWarning, match="the forward never reached unused"):
-        data_dependent_init(model, torch.randn(8, 3))
-    torch.testing.assert_close(model.unused.parametrizations.weight.original0, g)
-
-
-def test_ddi_failed_forward_leaves_model_unchanged() -> None:
-    model = weight_norm(mlp())
-    state = copy.deepcopy(model.state_dict())
-    with pytest.raises(RuntimeError, match="mat1 and mat2 shapes cannot be multiplied"):
-        data_dependent_init(model, torch.randn(4, 7))
-    for key, value in model.state_dict().items():
-        torch.testing.assert_close(value, state[key], rtol=0, atol=0)
-    assert model.training
-
-
-def test_ddi_without_wn_layer() -> None:
-    with pytest.raises(ValueError, match="Sequential has no weight-normalized Linear, Conv or"):
-        data_dependent_init(nn.Sequential(nn.Linear(2, 2)), torch.randn(3, 2))
-    with pytest.raises(ValueError, match="LSTM has no weight-normalized Linear"):
-        data_dependent_init(weight_norm(nn.LSTM(2, 2)), torch.randn(3, 1, 2))
-
-
-def test_ddi_refuses_lazy_layers_not_yet_materialized() -> None:
-    model = nn.Sequential(nn.LazyLinear(3))
-    weight_norm(model[0])
-    with pytest.raises(ValueError, match=r"0 \(LazyLinear\) is a lazy module .* run one forward"):
-        data_dependent_init(model, torch.randn(4, 2))
-    model(torch.randn(4, 2))
-    data_dependent_init(model, torch.randn(4, 2))
-
-
-def test_ddi_errors() -> None:
-    with pytest.raises(ValueError, match="scale must be positive, got scale=0"):
-        data_dependent_init(weight_norm(mlp()), torch.randn(4, 6), scale=0)
-    with pytest.raises(TypeError, match=r"model must be a torch\.nn\.Module, got str"):
-        data_dependent_init("model", torch.randn(4, 6))  # type: ignore[type-var]
-    grouped = weight_norm(nn.Sequential(nn.ConvTranspose2d(4, 4, 2, groups=2)))
-    with pytest.raises(ValueError, match=r"cannot initialize 0 \(ConvTranspose2d\): with groups=2"):
-        data_dependent_init(grouped, torch.randn(2, 4, 3, 3))
-    sideways = weight_norm(nn.Sequential(nn.Linear(3, 2)), dim=1)
-    with pytest.raises(ValueError, match=r"0 \(Linear\) is weight-normalized along dim=1"):
-        data_dependent_init(sideways, torch.randn(2, 3))
-    stacked = weight_norm(nn.Sequential(nn.Linear(3, 2)))
-    weight_standardization(stacked[0])
-    with pytest.raises(ValueError, match=r"needs weight normalization alone on 0 \(Linear\)"):
-        data_dependent_init(stacked, torch.randn(2, 3))
 
 
 # --- errors --------------------------------------------------------------------------------
@@ -664,21 +509,23 @@ def test_ddi_errors() -> None:
             ValueError,
             r"dim must be in \[-2, 1\] for Linear\.weight with 2 dimensions, got dim=2",
         ),
-        (
-            lambda: nn.Sequential(nn.Linear(3, 2), nn.Conv2d(1, 1, 1)),
-            {"dim": 3},
-            ValueError,
-            r"dim must be in \[-2, 1\] for Linear\.weight",
-        ),
         (lambda: nn.Linear(3, 2), {"eps": -1e-12}, ValueError, "eps must be non-negative"),
         (
             lambda: nn.LayerNorm(3),
             {},
             ValueError,
-            "nothing to convert in LayerNorm: it has no parameter with 2 or more dimensions",
+            r"LayerNorm\.weight has 1 dimension; weight normalization applies to",
         ),
+        (
+            lambda: nn.Sequential(nn.Linear(3, 2)),
+            {},
+            ValueError,
+            r"Sequential has no parameter named 'weight'; to convert every layer of a model, "
+            r"use apply_weight_norm\(model\)",
+        ),
+        (lambda: nn.Linear(3, 2), {"dim": "0"}, TypeError, "dim must be an int or None"),
     ],
-    ids=["no-attribute", "not-parameter", "1d", "dim", "dim-tree", "eps", "nothing"],
+    ids=["no-attribute", "not-parameter", "1d", "dim", "eps", "gain", "model", "dim-type"],
 )
 def test_conversion_errors_leave_module_unchanged(
     make: Callable[[], nn.Module], kwargs: dict[str, object], error: type[Exception], match: str
@@ -698,10 +545,48 @@ def test_non_floating_parameter() -> None:
         weight_norm(layer, "weight")
 
 
-def test_nothing_to_convert_says_why() -> None:
+@pytest.mark.parametrize(
+    ("make", "kwargs", "match"),
+    [
+        (
+            lambda: nn.Sequential(nn.Linear(3, 2), nn.Conv2d(1, 1, 1)),
+            {"dim": 3},
+            r"dim must be in \[-2, 1\] for Linear\.weight",
+        ),
+        (
+            lambda: nn.Sequential(nn.LayerNorm(3), nn.LSTM(3, 2)),
+            {},
+            r"nothing to convert in Sequential: it has no layer of type Linear, Conv\* or "
+            r"ConvTranspose\* with a weight",
+        ),
+        (
+            lambda: nn.Sequential(nn.Linear(3, 2)),
+            {"layer_types": nn.Conv2d},
+            "nothing to convert in Sequential: it has no layer of type Conv2d with a weight",
+        ),
+        (lambda: nn.Linear(3, 2), {"layer_types": [nn.Linear, "Conv2d"]}, "layer_types must be"),
+        (lambda: nn.Linear(3, 2), {"eps": -1.0}, "eps must be non-negative"),
+    ],
+    ids=["dim", "nothing", "layer-types", "layer-types-type", "eps"],
+)
+def test_apply_errors_leave_model_unchanged(
+    make: Callable[[], nn.Module], kwargs: dict[str, object], match: str
+) -> None:
+    model = make()
+    keys = set(model.state_dict())
+    with pytest.raises((ValueError, TypeError), match=match):
+        apply_weight_norm(model, **kwargs)  # type: ignore[arg-type]
+    assert set(model.state_dict()) == keys
+    assert wn_names(model) == []
+
+
+def test_another_parametrization_is_named() -> None:
     layer = weight_standardization(nn.Conv2d(3, 4, 3))
-    with pytest.raises(ValueError, match="0 are already weight-normalized and 1 have another"):
+    match = r"Conv2d\.weight already has another parametrization \(WeightStandardization\)"
+    with pytest.raises(ValueError, match=match):
         weight_norm(layer)
+    with pytest.raises(ValueError, match=match):
+        apply_weight_norm(nn.Sequential(nn.Linear(2, 3), layer))
 
 
 def test_weight_norm_dim_checked_when_registered_directly() -> None:
@@ -709,21 +594,20 @@ def test_weight_norm_dim_checked_when_registered_directly() -> None:
         parametrize.register_parametrization(nn.Linear(3, 2), "weight", WeightNorm(dim=5))
 
 
-def test_remove_one_name_of_a_pending_lazy_conversion() -> None:
-    layer = weight_norm(nn.LazyLinear(3))
-    with pytest.raises(ValueError, match=r"LazyLinear\.weight is waiting to be converted"):
-        remove_weight_norm(layer, "weight")
-    remove_weight_norm(layer)
-    layer(torch.randn(2, 4))
-    assert wn_names(layer) == []
+@pytest.mark.parametrize("name", [None, "weight"], ids=["tree", "name"])
+def test_remove_a_pending_lazy_conversion(name: str | None) -> None:
+    model = apply_weight_norm(nn.Sequential(nn.LazyLinear(3)))
+    remove_weight_norm(model if name is None else model[0], name)
+    model(torch.randn(2, 4))
+    assert wn_names(model) == []
 
 
 def test_converting_twice() -> None:
     layer = weight_norm(nn.Linear(3, 2))
     with pytest.raises(ValueError, match=r"Linear\.weight is already weight-normalized"):
         weight_norm(layer, "weight")
-    with pytest.raises(ValueError, match="1 are already weight-normalized and 0 have another"):
-        weight_norm(layer)
+    with pytest.raises(ValueError, match="all 1 matching layers are already weight-normalized"):
+        apply_weight_norm(layer)
 
 
 def test_remove_errors() -> None:
@@ -736,7 +620,7 @@ def test_remove_errors() -> None:
 def test_parametrization_constructor_errors() -> None:
     with pytest.raises(ValueError, match="eps must be non-negative"):
         WeightNorm(eps=-1.0)
-    with pytest.raises(TypeError, match="dim must be an int"):
+    with pytest.raises(TypeError, match="dim must be an int or None"):
         WeightNorm(dim="0")  # type: ignore[arg-type]
 
 
@@ -773,3 +657,506 @@ def test_fast_path_check_refuses_zero_and_nan_norms(value: float) -> None:
 
     assert not _eps_vanishes(value, 0.0, torch.float32)
     assert not _eps_vanishes(value, 1e-12, torch.float64)
+
+
+# --- defaults: torch's layout, the layers the ecosystem normalizes ---------------------------
+
+
+@pytest.mark.parametrize(
+    ("make", "g_shape"),
+    [
+        (lambda: nn.ConvTranspose1d(6, 4, 3), (6, 1, 1)),
+        (lambda: nn.ConvTranspose2d(6, 4, 3, groups=2), (6, 1, 1, 1)),
+        (lambda: nn.Conv1d(6, 4, 3), (4, 1, 1)),
+        (lambda: nn.Linear(6, 4), (4, 1)),
+    ],
+    ids=["deconv1d", "deconv2d-grouped", "conv1d", "linear"],
+)
+def test_default_layout_is_torchs(make: Callable[[], nn.Module], g_shape: tuple[int, ...]) -> None:
+    ours, theirs = make(), make()
+    theirs.load_state_dict(ours.state_dict())
+    weight_norm(ours)
+    torch.nn.utils.parametrizations.weight_norm(theirs)
+    assert ours.parametrizations.weight.original0.shape == g_shape
+    assert set(ours.state_dict()) == set(theirs.state_dict())
+    assert theirs.parametrizations.weight.original0.shape == g_shape
+
+
+def test_transposed_output_axis_reachable_with_dim_1() -> None:
+    layer = weight_norm(nn.ConvTranspose1d(6, 4, 3), dim=1)
+    g = layer.parametrizations.weight.original0
+    v = layer.parametrizations.weight.original1
+    assert g.shape == (1, 4, 1)
+    norms = torch.linalg.vector_norm(v, dim=(0, 2))
+    torch.testing.assert_close(norms, torch.ones(4))
+
+
+def test_dim_none_is_one_norm_for_the_whole_tensor_like_torch() -> None:
+    ours, theirs = nn.Conv1d(3, 4, 3), nn.Conv1d(3, 4, 3)
+    theirs.load_state_dict(ours.state_dict())
+    weight_norm(ours, dim=None)
+    torch.nn.utils.parametrizations.weight_norm(theirs, dim=None)
+    assert ours.parametrizations.weight.original0.shape == torch.Size([])
+    theirs.load_state_dict(ours.state_dict())
+    x = torch.randn(2, 3, 7)
+    torch.testing.assert_close(ours(x), theirs(x))
+    v = ours.parametrizations.weight.original1
+    torch.testing.assert_close(torch.linalg.vector_norm(v), torch.tensor(1.0))
+
+
+class Snake(nn.Module):
+    """DAC's activation: a gain-like parameter of shape [1, C, 1]."""
+
+    def __init__(self, channels: int) -> None:
+        super().__init__()
+        self.alpha = nn.Parameter(torch.ones(1, channels, 1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.sin(self.alpha * x).square() / self.alpha
+
+
+class AudioModel(nn.Module):
+    """The parameters an EnCodec/DAC-like model holds, converted or not by default."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv1d(2, 4, 3, padding=1)
+        self.snake = Snake(4)
+        self.lstm = nn.LSTM(4, 4)
+        self.codebook = nn.Embedding(16, 4)
+        self.up = nn.ConvTranspose1d(4, 2, 4, stride=2)
+        self.lazy = nn.LazyLinear(3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.snake(self.conv(x))
+        h = h + self.lstm(h.transpose(1, 2))[0].transpose(1, 2)
+        return self.lazy(self.up(h))
+
+
+def test_apply_converts_only_linear_and_conv_weights_by_default() -> None:
+    model = apply_weight_norm(AudioModel())
+    model(torch.randn(2, 2, 5))
+    assert wn_names(model) == ["conv.weight", "up.weight", "lazy.weight"]
+
+
+def test_layer_types_selects_what_is_converted() -> None:
+    model = apply_weight_norm(AudioModel(), layer_types=[nn.ConvTranspose1d, nn.Embedding])
+    assert wn_names(model) == ["codebook.weight", "up.weight"]
+
+
+def test_gain_like_parameter_converted_when_named() -> None:
+    snake = weight_norm(Snake(4), "alpha")
+    assert snake.parametrizations.alpha.original0.shape == (1, 1, 1)
+
+
+# --- atomic conversions, checks at entry ------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("dtype", "match"),
+    [
+        (torch.int64, r"1\.weight must be a real floating-point tensor .* integer dtype"),
+        (torch.complex64, r"1\.weight must be a real floating-point tensor .* complex dtype"),
+    ],
+    ids=["int64", "complex"],
+)
+def test_apply_validates_the_whole_tree_first(dtype: torch.dtype, match: str) -> None:
+    model = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 3))
+    model[1].weight = nn.Parameter(torch.ones(3, 3, dtype=dtype), requires_grad=False)
+    first = model[0].weight
+    with pytest.raises(TypeError, match=match.replace(r"1\.", "Linear\\.")):
+        apply_weight_norm(model)
+    assert wn_names(model) == []
+    assert model[0].weight is first
+    assert type(model[0]) is nn.Linear
+
+
+def test_complex_weight_refused_by_weight_norm_and_lazy_modules() -> None:
+    with pytest.raises(TypeError, match=r"Linear\.weight must be a real .* complex dtype"):
+        weight_norm(nn.Linear(2, 2, dtype=torch.complex64))
+    with pytest.raises(TypeError, match=r"LazyLinear\.weight must be a real .* complex dtype"):
+        weight_norm(nn.LazyLinear(2, dtype=torch.complex64))
+
+
+def test_a_failing_step_undoes_the_steps_before_it() -> None:
+    # What validation cannot foresee (an error inside torch): every earlier step is undone.
+    model = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 3))
+    first = model[0].weight
+    steps = [normalization._plan(model[0], "weight", 0, 1e-12, strict_dim=True)]
+
+    def failing() -> Callable[[], None]:
+        raise RuntimeError("inside torch")
+
+    with pytest.raises(RuntimeError, match="inside torch"):
+        normalization._parametrize.apply_all([*steps, failing])
+    assert wn_names(model) == []
+    assert model[0].weight is first
+
+
+def test_lazy_module_dim_checked_at_entry() -> None:
+    layer = nn.LazyLinear(4)
+    with pytest.raises(ValueError, match=r"dim must be in \[-2, 1\] for LazyLinear\.weight"):
+        weight_norm(layer, "weight", dim=5)
+    layer(torch.randn(2, 3))
+    assert type(layer) is nn.Linear  # nothing pending: a plain Linear, as before the call
+
+
+def test_failing_deferred_conversion_keeps_failing() -> None:
+    # The weight's dimensions are only known at the first forward; the registration then
+    # fails, and must fail again instead of running the layer without it.
+    norm = weight_norm(nn.LazyBatchNorm1d(), "weight")
+    x = torch.randn(4, 3)
+    for _ in range(2):
+        with pytest.raises(ValueError, match=r"BatchNorm1d\.weight has 1 dimension"):
+            norm(x)
+    remove_weight_norm(norm, "weight")
+    norm(x)
+
+
+def test_sparse_embedding_refused() -> None:
+    with pytest.raises(ValueError, match="Embedding has sparse=True"):
+        weight_norm(nn.Embedding(5, 3, sparse=True))
+    with pytest.raises(ValueError, match="Embedding has sparse=True"):
+        apply_weight_norm(nn.Sequential(nn.Embedding(5, 3, sparse=True)), layer_types=nn.Embedding)
+
+
+# --- taking over torch's weight norm ----------------------------------------------------------
+
+
+def torch_parametrized(make: Callable[[], nn.Module], dim: int | None) -> nn.Module:
+    layer = torch.nn.utils.parametrizations.weight_norm(make(), dim=dim)
+    with torch.no_grad():  # g no longer ||v||, as after training
+        layer.parametrizations.weight.original0.uniform_(0.5, 2.0)
+    return layer
+
+
+def torch_legacy(make: Callable[[], nn.Module], dim: int | None) -> nn.Module:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        layer = torch.nn.utils.weight_norm(make(), dim=dim)
+    with torch.no_grad():
+        layer.weight_g.uniform_(0.5, 2.0)
+    return layer
+
+
+def g_and_v(layer: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    if hasattr(layer, "weight_g"):
+        return layer.weight_g, layer.weight_v
+    return layer.parametrizations.weight.original0, layer.parametrizations.weight.original1
+
+
+TAKEOVER_CASES = {
+    "conv1d": (lambda: nn.Conv1d(3, 4, 3), 0, (2, 3, 8)),
+    "deconv1d": (lambda: nn.ConvTranspose1d(3, 4, 3, stride=2), 0, (2, 3, 8)),
+    "conv1d-dim2": (lambda: nn.Conv1d(3, 4, 5, padding=2), 2, (2, 3, 8)),  # wav2vec 2.0
+    "conv2d-dim1": (lambda: nn.Conv2d(3, 4, 3), 1, (2, 3, 6, 6)),
+    "linear-whole": (lambda: nn.Linear(3, 4), None, (2, 3)),
+}
+
+
+@pytest.mark.parametrize("kind", [torch_parametrized, torch_legacy], ids=["parametrized", "legacy"])
+@pytest.mark.parametrize("case", TAKEOVER_CASES)
+def test_takeover_keeps_g_v_keys_and_outputs(
+    kind: Callable[[Callable[[], nn.Module], int | None], nn.Module], case: str
+) -> None:
+    make, dim, shape = TAKEOVER_CASES[case]
+    model = nn.Sequential(kind(make, dim), nn.Tanh())
+    x = torch.randn(*shape)
+    expected = model(x).detach()
+    g, v = g_and_v(model[0])
+    values = {k: t.clone() for k, t in model.state_dict().items()}
+    apply_weight_norm(model)
+    assert isinstance(model[0].parametrizations.weight[0], WeightNorm)
+    assert model[0].parametrizations.weight.original0 is g
+    assert model[0].parametrizations.weight.original1 is v
+    state = model.state_dict()
+    assert list(state) == list(values)
+    for key, value in values.items():
+        assert torch.equal(state[key], value)
+    # eps=1e-12 next to norms of order 1 rounds away: the same numbers as torch's.
+    torch.testing.assert_close(model(x), expected, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("kind", [torch_parametrized, torch_legacy], ids=["parametrized", "legacy"])
+def test_takeover_state_dicts_load_both_ways(
+    kind: Callable[[Callable[[], nn.Module], int | None], nn.Module],
+) -> None:
+    def make() -> nn.Module:
+        return nn.Sequential(nn.Conv1d(3, 4, 3), nn.ReLU(), nn.ConvTranspose1d(4, 2, 3))
+
+    def torch_model() -> nn.Module:
+        model = make()
+        for i in (0, 2):
+            model[i] = kind(lambda m=model[i]: m, 0)
+        return model
+
+    x = torch.randn(2, 3, 8)
+    ours = apply_weight_norm(torch_model())
+    theirs = torch_model()
+    theirs.load_state_dict(ours.state_dict())
+    torch.testing.assert_close(theirs(x), ours(x))
+    theirs = torch_model()
+    ours.load_state_dict(theirs.state_dict())
+    torch.testing.assert_close(ours(x), theirs(x))
+
+
+def test_legacy_keys_survive_copies_and_go_with_removal() -> None:
+    model = apply_weight_norm(nn.Sequential(torch_legacy(lambda: nn.Linear(3, 4), 0)))
+    clone = copy.deepcopy(model)
+    assert list(clone.state_dict()) == ["0.bias", "0.weight_g", "0.weight_v"]
+    remove_weight_norm(clone)
+    assert set(clone.state_dict()) == {"0.weight", "0.bias"}
+
+
+def test_takeover_trains_like_torch_weight_norm() -> None:
+    theirs = torch_parametrized(lambda: nn.Conv1d(3, 4, 3), 0)
+    ours = copy.deepcopy(theirs)
+    weight_norm(ours)
+    x = torch.randn(2, 3, 8)
+    for model in (theirs, ours):
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        for _ in range(3):
+            optimizer.zero_grad()
+            model(x).square().mean().backward()
+            optimizer.step()
+    torch.testing.assert_close(ours(x), theirs(x))
+
+
+@pytest.mark.parametrize("kind", [torch_parametrized, torch_legacy], ids=["parametrized", "legacy"])
+def test_takeover_zero_row_gives_zeros_where_torch_gives_nan(
+    kind: Callable[[Callable[[], nn.Module], int | None], nn.Module],
+) -> None:
+    layer = kind(lambda: nn.Linear(3, 4), 0)
+    with torch.no_grad():
+        g_and_v(layer)[1][1].zero_()
+    x = torch.randn(2, 3)
+    assert torch.isnan(layer(x)[:, 1]).all()
+    weight_norm(layer)
+    y = layer(x)
+    assert torch.equal(y[:, 1], layer.bias[1].expand(2).detach())
+    assert torch.isfinite(y).all()
+
+
+@pytest.mark.parametrize("kind", [torch_parametrized, torch_legacy], ids=["parametrized", "legacy"])
+def test_takeover_undone_when_a_later_step_fails(
+    kind: Callable[[Callable[[], nn.Module], int | None], nn.Module],
+) -> None:
+    layer = kind(lambda: nn.Linear(3, 4), 0)
+    x = torch.randn(2, 3)
+    expected = layer(x).detach()
+    g, v = g_and_v(layer)
+    keys = list(layer.state_dict())
+    step = normalization._plan(layer, "weight", 0, 1e-12, strict_dim=True)
+
+    def failing() -> Callable[[], None]:
+        raise RuntimeError("inside torch")
+
+    with pytest.raises(RuntimeError, match="inside torch"):
+        normalization._parametrize.apply_all([step, failing])
+    assert list(layer.state_dict()) == keys
+    assert g_and_v(layer) == (g, v)
+    assert torch.equal(layer(x), expected)
+    assert normalization._parametrize.has_torch_weight_norm(layer, "weight")
+    assert not normalization.is_weight_normalized(layer, "weight")
+
+
+@pytest.mark.parametrize("kind", [torch_parametrized, torch_legacy], ids=["parametrized", "legacy"])
+def test_remove_weight_norm_removes_torchs_too(
+    kind: Callable[[Callable[[], nn.Module], int | None], nn.Module],
+) -> None:
+    model = nn.Sequential(kind(lambda: nn.Linear(3, 4), 0), nn.Linear(4, 2))
+    weight_norm(model[1])
+    x = torch.randn(2, 3)
+    expected = model(x).detach()
+    v = g_and_v(model[0])[1]
+    remove_weight_norm(model)
+    assert model[0].weight is v
+    assert type(model[0]) is nn.Linear
+    assert set(model.state_dict()) == {"0.weight", "0.bias", "1.weight", "1.bias"}
+    torch.testing.assert_close(model(x), expected)
+
+
+def test_weight_norm_dim_must_match_torchs_when_taking_over() -> None:
+    layer = torch_parametrized(lambda: nn.Conv1d(3, 4, 5), 2)
+    match = (
+        r"Conv1d\.weight carries torch's weight norm "
+        r"\(torch\.nn\.utils\.parametrizations\.weight_norm\) along dim=2; .* pass dim=2, got dim=0"
+    )
+    with pytest.raises(ValueError, match=match):
+        weight_norm(layer)
+    weight_norm(layer, dim=2)
+    assert isinstance(layer.parametrizations.weight[0], WeightNorm)
+
+
+def test_apply_warns_about_torch_weight_norm_it_leaves() -> None:
+    model = nn.Sequential(nn.Linear(3, 4), nn.Conv1d(4, 4, 1))
+    torch.nn.utils.parametrizations.weight_norm(model[1])
+    with pytest.warns(UserWarning, match=r"left torch's weight norm on 1\.weight"):
+        apply_weight_norm(model, layer_types=nn.Linear)
+    assert normalization._parametrize.has_torch_weight_norm(model[1], "weight")
+
+
+# --- torch.func -------------------------------------------------------------------------------
+
+FUNC_MODELS: dict[str, Callable[[], nn.Module]] = {
+    # dim 0, default eps: torch's fused op on the CPU outside transforms
+    "conv-fused": lambda: apply_weight_norm(
+        nn.Sequential(nn.Conv1d(3, 4, 3), nn.Tanh(), nn.Flatten(), nn.Linear(16, 2))
+    ),
+    # eps that does not round away, and a transposed convolution's dim 0
+    "deconv-eps": lambda: apply_weight_norm(
+        nn.Sequential(nn.ConvTranspose1d(3, 2, 3), nn.Tanh(), nn.Flatten(), nn.Linear(16, 2)),
+        eps=1e-4,
+    ),
+    # a zero row of v (the padding row)
+    "embedding-padding": lambda: nn.Sequential(
+        weight_norm(nn.Embedding(7, 6, padding_idx=0), eps=1e-4),
+        nn.Flatten(),
+        weight_norm(nn.Linear(18, 2)),
+    ),
+}
+
+
+def func_input(case: str, batch: int) -> torch.Tensor:
+    if case == "embedding-padding":
+        return torch.tensor([[0, 3, 5], [1, 0, 2], [6, 4, 0], [2, 2, 1]])[:batch]
+    return torch.randn(batch, 3, 6, dtype=torch.float64)
+
+
+def func_model(case: str, training: bool) -> nn.Module:
+    model = FUNC_MODELS[case]().double()
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, nn.Embedding):
+                module.parametrizations.weight.original0.uniform_(0.5, 2.0)
+    return model.train(training)
+
+
+def params_of(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: p.detach() for k, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
+@pytest.mark.parametrize("case", FUNC_MODELS)
+def test_func_grad_matches_autograd(case: str, training: bool) -> None:
+    model = func_model(case, training)
+    x = func_input(case, 4)
+
+    def loss(params: dict[str, torch.Tensor]) -> torch.Tensor:
+        return torch.func.functional_call(model, params, (x,)).square().sum()
+
+    grads = torch.func.grad(loss)(params_of(model))
+    model(x).square().sum().backward()
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(grads[name], param.grad)
+
+
+@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
+@pytest.mark.parametrize("case", FUNC_MODELS)
+def test_func_vmap_per_sample_gradients(case: str, training: bool) -> None:
+    model = func_model(case, training)
+    x = func_input(case, 4)
+
+    def loss(params: dict[str, torch.Tensor], sample: torch.Tensor) -> torch.Tensor:
+        return torch.func.functional_call(model, params, (sample.unsqueeze(0),)).square().sum()
+
+    per_sample = torch.func.vmap(torch.func.grad(loss), in_dims=(None, 0))(params_of(model), x)
+    for i in range(x.shape[0]):
+        model.zero_grad()
+        model(x[i : i + 1]).square().sum().backward()
+        for name, param in model.named_parameters():
+            torch.testing.assert_close(per_sample[name][i], param.grad)
+
+
+@pytest.mark.parametrize("case", FUNC_MODELS)
+def test_func_ensemble_with_stack_module_state(case: str) -> None:
+    models = [func_model(case, True) for _ in range(3)]
+    params, buffers = torch.func.stack_module_state(models)  # type: ignore[arg-type]
+    base = copy.deepcopy(models[0]).to("meta")
+    x = func_input(case, 4)
+
+    def run(p: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> torch.Tensor:
+        return torch.func.functional_call(base, (p, b), (x,))
+
+    outputs = torch.func.vmap(run)(params, buffers)
+    for output, model in zip(outputs, models, strict=True):
+        torch.testing.assert_close(output, model(x))
+
+
+@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
+@pytest.mark.parametrize("case", FUNC_MODELS)
+def test_func_jvp_matches_central_differences(case: str, training: bool) -> None:
+    model = func_model(case, training)
+    x = func_input(case, 4)
+    params = params_of(model)
+    # Along a zero row, v / (||v|| + eps) has the derivative 1 / eps but a |h| term next to
+    # it: central differences converge only at first order there, so the tangent spares it.
+    tangents = {k: torch.randn_like(p) * (p != 0).any(-1, keepdim=True) for k, p in params.items()}
+
+    def run(p: dict[str, torch.Tensor]) -> torch.Tensor:
+        return torch.func.functional_call(model, p, (x,))
+
+    _, jvp = torch.func.jvp(run, (params,), (tangents,))
+    h = 1e-6
+    plus = run({k: p + h * tangents[k] for k, p in params.items()})
+    minus = run({k: p - h * tangents[k] for k, p in params.items()})
+    torch.testing.assert_close(jvp, (plus - minus) / (2 * h), rtol=1e-6, atol=1e-7)
+
+
+# --- tracing and export -----------------------------------------------------------------------
+
+
+def export_model(eps: float = 1e-12) -> nn.Module:
+    # The default eps rounds away: torch's fused op would run on the CPU outside export.
+    return apply_weight_norm(
+        nn.Sequential(
+            nn.Conv1d(3, 4, 3),
+            nn.ReLU(),
+            nn.ConvTranspose1d(4, 2, 3, stride=2),
+            nn.Flatten(),
+            nn.Linear(18, 2),
+        ),
+        eps=eps,
+    ).eval()
+
+
+@pytest.mark.parametrize("eps", [1e-12, 1e-4], ids=["fused-eps", "eps"])
+@pytest.mark.parametrize("dynamo", [False, True], ids=["torchscript", "dynamo"])
+def test_onnx_export_runs_the_formula(dynamo: bool, eps: float, tmp_path: Any) -> None:
+    import onnx  # a dev dependency, like onnxscript for the dynamo exporter
+    from onnx.reference import ReferenceEvaluator
+
+    model = export_model(eps)
+    x = torch.randn(2, 3, 6)
+    path = tmp_path / "model.onnx"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(model, (x,), str(path), dynamo=dynamo, input_names=["x"])
+    graph = onnx.load(str(path))
+    ops = {node.op_type for node in graph.graph.node}
+    assert not any("weight_norm" in op.lower() or op == "PythonOp" for op in ops), ops
+    # A new input: the exported graph computes W from g and v, nothing baked from x.
+    other = torch.randn(2, 3, 6)
+    (output,) = ReferenceEvaluator(graph).run(None, {"x": other.numpy()})
+    with torch.no_grad():
+        torch.testing.assert_close(torch.from_numpy(output), model(other), rtol=1e-5, atol=1e-6)
+
+
+def test_torch_export_matches_eager() -> None:
+    model = export_model()
+    x = torch.randn(2, 3, 6)
+    program = torch.export.export(model, (x,))
+    other = torch.randn(2, 3, 6)
+    with torch.no_grad():
+        torch.testing.assert_close(program.module()(other), model(other))
+
+
+def test_jit_trace_does_not_bake_the_fast_path_check() -> None:
+    model = export_model()
+    x = torch.randn(2, 3, 6)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        traced = torch.jit.trace(model, (x,), check_trace=False)
+    with torch.no_grad():
+        model[0].parametrizations.weight.original1[1].zero_()  # a zero row: another path
+        torch.testing.assert_close(traced(x), model(x))

@@ -1,10 +1,11 @@
 """normhooks: GradientLARS, weight standardization and weight normalization for PyTorch."""
 
+from normhooks.data_dependent_init import data_dependent_init
 from normhooks.lars import GradientLARS, lars_, lars_param_groups
 from normhooks.weight_norm import (
     WeightNorm,
+    apply_weight_norm,
     convert_with_weight_normalization,
-    data_dependent_init,
     remove_weight_norm,
     weight_norm,
 )
@@ -22,6 +23,7 @@ __all__ = [
     "ScaledWeightStandardization",
     "WeightNorm",
     "WeightStandardization",
+    "apply_weight_norm",
     "apply_weight_standardization",
     "convert_with_weight_normalization",
     "data_dependent_init",

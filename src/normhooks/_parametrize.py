@@ -106,20 +106,48 @@ def is_internal(module: nn.Module) -> bool:
     return isinstance(module, parametrize.ParametrizationList)
 
 
-def has_torch_weight_norm(module: nn.Module, name: str) -> bool:
-    """Whether ``module.<name>`` carries torch's weight norm, either of its two forms.
+def torch_weight_norm(module: nn.Module, name: str) -> Any:
+    """torch's weight norm on ``module.<name>``: its ``_WeightNorm`` parametrization, its legacy
+    forward pre-hook, or None.
 
     ``torch.nn.utils.parametrizations.weight_norm`` registers a ``_WeightNorm``
-    parametrization; the legacy ``torch.nn.utils.weight_norm`` a forward pre-hook.
+    parametrization (always innermost: it has two originals); the legacy
+    ``torch.nn.utils.weight_norm`` a forward pre-hook that owns ``<name>_g`` and ``<name>_v``.
+    Both hold ``dim``, where -1 means the norm of the whole tensor.
     """
-    if any(type(p).__name__ == "_WeightNorm" for p in parametrizations_of(module, name)):
-        return True
+    chain = parametrizations_of(module, name)
+    if chain and type(chain[0]).__name__ == "_WeightNorm":
+        return chain[0]
     legacy = sys.modules.get("torch.nn.utils.weight_norm")
     hook_type = getattr(legacy, "WeightNorm", None)
-    return hook_type is not None and any(
-        isinstance(hook, hook_type) and getattr(hook, "name", None) == name
-        for hook in module._forward_pre_hooks.values()
-    )
+    if hook_type is None:
+        return None
+    for hook in module._forward_pre_hooks.values():
+        if isinstance(hook, hook_type) and getattr(hook, "name", None) == name:
+            return hook
+    return None
+
+
+def is_torch_legacy_weight_norm(found: object) -> bool:
+    """Whether :func:`torch_weight_norm` found the legacy hook rather than a parametrization."""
+    return not isinstance(found, nn.Module)
+
+
+def torch_weight_norm_names(module: nn.Module) -> list[str]:
+    """Names of ``module``'s tensors that carry torch's weight norm, of either kind."""
+    names = [n for n in parametrized_names(module) if torch_weight_norm(module, n) is not None]
+    legacy = sys.modules.get("torch.nn.utils.weight_norm")
+    hook_type = getattr(legacy, "WeightNorm", None)
+    if hook_type is not None:
+        for hook in module._forward_pre_hooks.values():
+            if isinstance(hook, hook_type) and hook.name not in names:
+                names.append(hook.name)
+    return names
+
+
+def has_torch_weight_norm(module: nn.Module, name: str) -> bool:
+    """Whether ``module.<name>`` carries torch's weight norm, either of its two forms."""
+    return torch_weight_norm(module, name) is not None
 
 
 # --- checks ---------------------------------------------------------------------------------

@@ -7,6 +7,7 @@ and 2.11 (CUDA); when torch changes one of these, this is the only file to chang
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -86,11 +87,6 @@ def dtensor_type() -> Any:
     return None if module is None else module.DTensor
 
 
-def is_functorch_wrapped(tensor: Tensor) -> bool:
-    """Whether ``tensor`` is a torch.func transform's wrapper (vmap, grad) (2.11, 2.13)."""
-    return bool(torch._C._functorch.is_functorch_wrapped_tensor(tensor))
-
-
 def clear_grad_scale(optimizer: torch.optim.Optimizer) -> None:
     """Tells a fused optimizer that its gradients are no longer scaled (2.11, 2.13).
 
@@ -112,3 +108,77 @@ def non_finite_check_and_unscale_(
     float32 tensors on that device.
     """
     torch._amp_foreach_non_finite_check_and_unscale_(tensors, found_inf, inv_scale)
+
+
+def functorch_transform_active() -> bool:
+    """Whether a ``torch.func`` transform (grad, vmap, jvp, ...) is running (2.13).
+
+    ``torch._C._functorch.peek_interpreter_stack``. Under a transform, tensors are wrapped at a
+    functorch level and ``.item()`` or a custom ``autograd.Function`` without a vmap rule
+    cannot run.
+    """
+    return torch._C._functorch.peek_interpreter_stack() is not None
+
+
+def dispatch_mode_active() -> bool:
+    """Whether a Python dispatch mode (FakeTensorMode, make_fx's proxy mode, ...) is active.
+
+    ``torch._C._len_torch_dispatch_stack`` (2.13): such modes trace or fake every op,
+    so a branch on a tensor's value would be baked into the trace or fail.
+    """
+    return bool(torch._C._len_torch_dispatch_stack() > 0)
+
+
+def uncompiled(module: nn.Module) -> nn.Module:
+    """The module that ``torch.compile(module)`` wrapped, or ``module`` itself (2.13).
+
+    ``torch.compile`` returns an ``OptimizedModule`` whose ``_orig_mod`` is the user's model.
+    """
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    optimized = getattr(eval_frame, "OptimizedModule", None)
+    if optimized is not None and isinstance(module, optimized):
+        original: nn.Module = module._orig_mod
+        return original
+    return module
+
+
+def pop_forward_pre_hook(module: nn.Module, hook: object) -> Callable[[], None]:
+    """Removes a forward pre-hook that torch registered without handing out a handle.
+
+    The legacy ``torch.nn.utils.weight_norm`` keeps its hook only in the hook dict
+    (``Module._forward_pre_hooks``, an OrderedDict keyed by handle id: 2.13), and its own
+    ``remove_weight_norm`` deletes it from there too. Returns what puts it back, at the same
+    key and in the same order among the other hooks.
+    """
+    hooks = module._forward_pre_hooks
+    order = list(hooks)
+    key = next(k for k, h in hooks.items() if h is hook)
+    del hooks[key]
+
+    def restore() -> None:
+        hooks[key] = hook  # type: ignore[assignment]
+        for k in order:
+            if k in hooks:
+                hooks[k] = hooks.pop(k)
+
+    return restore
+
+
+_PLAIN = (Tensor, nn.Parameter)
+
+
+def plain_eager(*tensors: Tensor) -> bool:
+    """Whether ordinary eager code may run on ``tensors``: value branches, custom kernels.
+
+    False under ``torch.compile``, tracing and exporting (TorchScript, ONNX, ``torch.export``),
+    ``torch.func`` transforms and dispatch modes (fake tensors), and for tensor subclasses:
+    all of these get the plain torch formula, which they can follow.
+    """
+    return (
+        all(type(t) in _PLAIN for t in tensors)
+        and not torch.compiler.is_compiling()
+        and not torch.jit.is_tracing()  # type: ignore[attr-defined,no-untyped-call]
+        and not torch.onnx.is_in_onnx_export()
+        and not functorch_transform_active()
+        and not dispatch_mode_active()
+    )

@@ -1,62 +1,58 @@
-r"""Weight Normalization for whole modules, with the paper's data-dependent initialization.
+r"""Weight Normalization, ``W = g * v / (||v|| + eps)``, as a ``torch.nn.utils.parametrize`` hook.
 
 Implements T. Salimans and D. P. Kingma, "Weight Normalization: A Simple Reparameterization
-to Accelerate Training of Deep Neural Networks", arXiv:1602.07868 (2016), as the Chainer
-converter ``convert_with_weight_normalization`` does it (every parameter with 2 or more
-dimensions, unit-norm direction at conversion), and the initialization of section 3 that the
-original left as a TODO.
+to Accelerate Training of Deep Neural Networks", arXiv:1602.07868 (2016), in the layout that
+torch's ``weight_norm``, the models built on it and the Chainer original all use: one norm per
+index of ``dim=0`` for every layer, g and v stored where
+``torch.nn.utils.parametrizations.weight_norm`` stores them. The paper's data-dependent
+initialization is :func:`normhooks.data_dependent_init`.
+
+The file reads top down: the formula as plain functions, its closed-form gradient for the
+CPU, the :class:`WeightNorm` parametrization, then the public functions that check,
+register, take over torch's weight norm and remove.
 """
 
 from __future__ import annotations
 
 import functools
 import math
-import sys
 import warnings
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 import torch
-import torch.distributed as dist
 from torch import Tensor, nn
 from torch.nn.utils import parametrize
 
-from normhooks import _checks, _parametrize, _torch_compat
-from normhooks._parametrize import (
-    cancel_pending,
-    checked_tensor,
-    describe,
-    is_internal,
-    is_uninitialized,
-    layer_name,
-    original,
-    output_axis,
-    parametrizations_of,
-    parametrized_names,
-    pending,
-    refuse_wrapped,
-)
+from normhooks import _checks, _kernels, _parametrize, _torch_compat
+from normhooks._parametrize import Undo, describe, layer_name
 from normhooks._precision import HALF_DTYPES
+from normhooks._torch_compat import ConvNd
 
 __all__ = [
     "WeightNorm",
+    "apply_weight_norm",
     "convert_with_weight_normalization",
-    "data_dependent_init",
     "remove_weight_norm",
     "weight_norm",
 ]
 
 _MARKER = "weight_norm"
-_ALL = "*"  # a deferred conversion of every parameter of a lazy module
+_WHAT = "weight normalization"
+_LEGACY_SUFFIXES = (("_g", "original0"), ("_v", "original1"))
 
 M = TypeVar("M", bound=nn.Module)
 
 
-def _norm_dims(ndim: int, dim: int) -> list[int]:
+# --- the formula ----------------------------------------------------------------------------
+
+
+def _norm_dims(ndim: int, dim: int | None) -> list[int]:
+    """The axes a norm runs over: all but ``dim`` (all of them for None)."""
     return [d for d in range(ndim) if d != dim]
 
 
-def _row_norms(tensor: Tensor, dim: int) -> Tensor:
+def _row_norms(tensor: Tensor, dim: int | None) -> Tensor:
     """Euclidean norms over every axis but ``dim``, kept for broadcasting; float32 for halves."""
     norms: Tensor = torch.linalg.vector_norm(
         tensor,
@@ -74,8 +70,9 @@ def _safe_denominator(norm: Tensor, eps: float) -> Tensor:
     return torch.where(norm > 0, norm, torch.ones_like(norm))
 
 
-def _weight_norm(g: Tensor, v: Tensor, dim: int, eps: float) -> Tensor:
-    """``g * v / (||v|| + eps)`` in plain differentiable ops (any dtype, DTensors, compile)."""
+def _weight_norm(g: Tensor, v: Tensor, dim: int | None, eps: float) -> Tensor:
+    """``g * v / (||v|| + eps)`` in plain differentiable ops: any dtype, device, transform,
+    tracer or exporter."""
     scale = g / _safe_denominator(_row_norms(v, dim), eps)
     return (v * scale).to(v.dtype)
 
@@ -96,7 +93,14 @@ def _eps_vanishes(smallest_norm: float, eps: float, dtype: torch.dtype) -> bool:
     return eps < math.ldexp(smallest_norm, -(_MANTISSA_BITS[dtype] + 2))
 
 
-_PLAIN = (Tensor, nn.Parameter)
+def _eager_cpu(g: Tensor, v: Tensor) -> bool:
+    """Whether the CPU fast path may run: eager ops on plain float32/float64 CPU tensors.
+
+    It branches on a tensor's value (``.item()``) and uses a custom autograd Function, which
+    neither ``torch.compile``, tracing and exporting (TorchScript, ONNX, ``torch.export``),
+    ``torch.func`` transforms nor fake tensors can follow; all of them get the plain formula.
+    """
+    return v.is_cpu and v.dtype in _FAST_DTYPES and _torch_compat.plain_eager(g, v)
 
 
 class _WeightNormFunction(torch.autograd.Function):
@@ -111,7 +115,7 @@ class _WeightNormFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx: Any, g: Tensor, v: Tensor, dim: int, eps: float) -> Tensor:
+    def forward(ctx: Any, g: Tensor, v: Tensor, dim: int | None, eps: float) -> Tensor:
         ctx.dim, ctx.eps = dim, eps
         norm = _row_norms(v, dim)
         denominator = _safe_denominator(norm, eps)
@@ -149,7 +153,10 @@ class _WeightNormFunction(torch.autograd.Function):
         scale = g / denominator
         coefficient = -(scale * dot) / (denominator * safe_norm)
         grad_v = torch.mul(grad_w, scale).addcmul_(v, coefficient)
-        return dot / denominator, grad_v, None, None
+        return (dot / denominator).reshape(g.shape), grad_v, None, None
+
+
+# --- the parametrization --------------------------------------------------------------------
 
 
 class WeightNorm(nn.Module):
@@ -159,12 +166,12 @@ class WeightNorm(nn.Module):
     :math:`g = \|W\| + \epsilon` and :math:`v = W / (\|W\| + \epsilon)` (unit rows), so a
     module's output is unchanged by the conversion. The originals are stored where
     ``torch.nn.utils.parametrizations.weight_norm`` stores them: ``original0`` is g (shape
-    with 1s except at ``dim``), ``original1`` is v. Like every parametrization, the weight is
-    recomputed at each access; inside ``torch.nn.utils.parametrize.cached()`` it is computed
-    once per scope.
+    with 1s except at ``dim``; a scalar for ``dim=None``), ``original1`` is v. Like every
+    parametrization, the weight is recomputed at each access; inside
+    ``torch.nn.utils.parametrize.cached()`` it is computed once per scope.
 
     Args:
-        dim: the output axis: one norm per index of it.
+        dim: the axis with one norm per index; None for one norm of the whole tensor.
         eps: added to the norm; 0 is allowed (zero rows still give zero weights).
 
     Example:
@@ -176,24 +183,22 @@ class WeightNorm(nn.Module):
         True
     """
 
-    def __init__(self, dim: int = 0, eps: float = 1e-12) -> None:
+    def __init__(self, dim: int | None = 0, eps: float = 1e-12) -> None:
         super().__init__()
-        if isinstance(dim, bool) or not isinstance(dim, int):
-            raise TypeError(f"dim must be an int, got dim={dim!r}")
-        self.dim = dim
+        self.dim = _check_dim(dim)
         self.eps = _checks.non_negative("eps", eps)
+        # Set by a takeover of the legacy torch.nn.utils.weight_norm: the module then keeps
+        # saving g and v under that hook's <name>_g / <name>_v keys.
+        self.legacy_keys = False
 
     def forward(self, g: Tensor, v: Tensor) -> Tensor:
-        dim = self.dim % v.ndim
-        if (
-            not v.is_cpu
-            or v.dtype not in _FAST_DTYPES
-            or type(v) not in _PLAIN
-            or torch.compiler.is_compiling()
-        ):
-            # On an accelerator a step of a model this size is bound by kernel launches and
-            # Python, not memory: autograd's own graph of the formula launches about as many
-            # kernels as the closed-form backward and runs no Python in backward.
+        dim = None if self.dim is None else self.dim % v.ndim
+        if dim is not None and _kernels.available(v) and _kernels.available(g):
+            # CUDA with Triton: one fused kernel forward and one backward, exact.
+            return _kernels.fused_weight_norm(g, v, dim, self.eps)
+        if not _eager_cpu(g, v):
+            # On an accelerator without Triton, autograd's own graph of the formula launches
+            # about as many kernels as the closed-form backward and runs no Python in backward.
             return _weight_norm(g, v, dim, self.eps)
         if dim in (0, v.ndim - 1) and v.is_contiguous():
             # torch's fused op (forward and backward) computes g * v / ||v||, which is this
@@ -206,19 +211,50 @@ class WeightNorm(nn.Module):
         return result
 
     def right_inverse(self, weight: Tensor) -> tuple[Tensor, Tensor]:
-        _checks.axis("dim", self.dim, weight.ndim, f"a weight of shape {list(weight.shape)}")
-        norm = _row_norms(weight, self.dim % weight.ndim)
+        dim = None
+        if self.dim is not None:
+            shape = f"a weight of shape {list(weight.shape)}"
+            dim = _checks.axis("dim", self.dim, weight.ndim, shape)
+        norm = _row_norms(weight, dim)
         denominator = _safe_denominator(norm, self.eps)
         g = denominator if self.eps > 0 else norm
+        if dim is None:
+            g = g.reshape(())  # torch's layout for dim=None
         return g.to(weight.dtype), (weight / denominator).to(weight.dtype)
 
     def extra_repr(self) -> str:
         return f"dim={self.dim}, eps={self.eps}"
 
 
-class _LegacyKeys:
+def _check_dim(dim: object) -> int | None:
+    if dim is None:
+        return None
+    if isinstance(dim, bool) or not isinstance(dim, int):
+        raise TypeError(f"dim must be an int or None, got dim={dim!r}")
+    return dim
+
+
+def _normhooks_weight_norm(module: nn.Module, name: str) -> WeightNorm | None:
+    chain = _parametrize.parametrizations_of(module, name)
+    return chain[0] if chain and isinstance(chain[0], WeightNorm) else None
+
+
+def is_pending(module: nn.Module, name: str) -> bool:
+    """Whether ``module.<name>`` waits for its lazy module's first forward to be converted."""
+    return _parametrize.pending(module, name, _MARKER)
+
+
+def is_weight_normalized(module: nn.Module, name: str) -> bool:
+    """Whether ``module.<name>`` carries normhooks' weight norm, or will at its first forward."""
+    return _normhooks_weight_norm(module, name) is not None or is_pending(module, name)
+
+
+# --- checkpoints of the legacy torch.nn.utils.weight_norm ------------------------------------
+
+
+class _LoadLegacyKeys:
     """Load-state-dict pre-hook: reads ``<name>_g``/``<name>_v`` checkpoints of the legacy
-    ``torch.nn.utils.weight_norm`` into the parametrization's ``original0``/``original1``."""
+    ``torch.nn.utils.weight_norm`` into ``parametrizations.<name>.original0``/``original1``."""
 
     def __init__(self, name: str) -> None:
         self.name = name
@@ -226,92 +262,237 @@ class _LegacyKeys:
     def __call__(
         self, module: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any
     ) -> None:
-        if not _is_weight_normalized(module, self.name):
+        if _normhooks_weight_norm(module, self.name) is None:
             return
-        for suffix, which in (("_g", "original0"), ("_v", "original1")):
+        for suffix, which in _LEGACY_SUFFIXES:
             legacy = f"{prefix}{self.name}{suffix}"
             if legacy in state_dict:
-                key = f"{prefix}parametrizations.{self.name}.{which}"
-                state_dict[key] = state_dict.pop(legacy)
+                state_dict[f"{prefix}parametrizations.{self.name}.{which}"] = state_dict.pop(legacy)
 
 
-def _is_weight_normalized(module: nn.Module, name: str) -> bool:
-    return any(isinstance(p, WeightNorm) for p in parametrizations_of(module, name))
+class _SaveLegacyKeys:
+    """State-dict post-hook: saves a taken-over legacy weight norm under its own keys."""
 
+    def __init__(self, name: str) -> None:
+        self.name = name
 
-def _is_pending(module: nn.Module, name: str) -> bool:
-    return pending(module, name, _MARKER) or pending(module, _ALL, _MARKER)
-
-
-def _install_legacy_keys(module: nn.Module, name: str) -> None:
-    for wrapped in module._load_state_dict_pre_hooks.values():
-        hook = getattr(wrapped, "hook", wrapped)
-        if isinstance(hook, _LegacyKeys) and hook.name == name:
+    def __call__(
+        self, module: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any
+    ) -> None:
+        wn = _normhooks_weight_norm(module, self.name)
+        if wn is None or not wn.legacy_keys:
             return
-    module.register_load_state_dict_pre_hook(_LegacyKeys(name))  # type: ignore[no-untyped-call]
+        for suffix, which in _LEGACY_SUFFIXES:
+            key = f"{prefix}parametrizations.{self.name}.{which}"
+            if key in state_dict:
+                state_dict[f"{prefix}{self.name}{suffix}"] = state_dict.pop(key)
 
 
-def _axis(module: nn.Module, name: str, ndim: int, dim: int | None) -> int:
+def _install_key_hooks(module: nn.Module, name: str, *, save_legacy: bool) -> None:
+    """Installs the legacy-key hooks of ``module.<name>`` once; they are inert without WN.
+
+    They decide at each call from the parametrization itself, so copies and unpickled
+    modules behave alike, and removing WN needs no hook bookkeeping.
+    """
+    loads = [getattr(h, "hook", h) for h in module._load_state_dict_pre_hooks.values()]
+    if not any(isinstance(h, _LoadLegacyKeys) and h.name == name for h in loads):
+        module.register_load_state_dict_pre_hook(_LoadLegacyKeys(name))  # type: ignore[no-untyped-call]
+    saves = list(module._state_dict_hooks.values())
+    if save_legacy and not any(isinstance(h, _SaveLegacyKeys) and h.name == name for h in saves):
+        module.register_state_dict_post_hook(_SaveLegacyKeys(name))  # type: ignore[no-untyped-call]
+
+
+# --- planning and registering ---------------------------------------------------------------
+
+
+Step = Callable[[], Undo]
+
+
+def _axis(module: nn.Module, name: str, ndim: int, dim: int | None) -> int | None:
     where = describe(module, name)
     if ndim < 2:
         raise ValueError(
             f"{where} has {ndim} dimension{'s' if ndim != 1 else ''}; weight normalization "
             "applies to parameters with at least 2"
         )
-    if dim is None:
-        return output_axis(module) if name == "weight" else 0
-    return _checks.axis("dim", dim, ndim, where)
+    return None if dim is None else _checks.axis("dim", dim, ndim, where)
 
 
-def _convert(module: nn.Module, name: str, axis: int, eps: float) -> None:
-    """Registers WN on ``module.<name>``; g and v are new Parameters, the weight is left as is.
+def _plan(module: nn.Module, name: str, dim: int | None, eps: float, *, strict_dim: bool) -> Step:
+    """Checks ``module.<name>`` and returns the step that weight-normalizes it.
 
-    The old Parameter keeps its values, so a module that shares (ties) it is unaffected.
+    torch's weight norm is taken over; ``strict_dim`` requires it to run along ``dim``.
     """
-    parametrize.register_parametrization(module, name, WeightNorm(axis, eps))
-    _install_legacy_keys(module, name)
+    if _parametrize.has_torch_weight_norm(module, name):
+        return _plan_takeover(module, name, dim, eps, strict_dim=strict_dim)
+    weight = _parametrize.checked_tensor(module, name, _WHAT)
+    if is_weight_normalized(module, name):
+        raise ValueError(f"{describe(module, name)} is already weight-normalized")
+    if parametrize.is_parametrized(module, name):
+        kinds = ", ".join(type(p).__name__ for p in _parametrize.parametrizations_of(module, name))
+        raise ValueError(
+            f"{describe(module, name)} already has another parametrization ({kinds}); weight "
+            "normalization needs the plain Parameter: register it first"
+        )
+    if weight is None:
+        lazy = module._parameters[name]
+        assert lazy is not None  # checked_tensor refused None
+        _parametrize.check_dtype(module, name, lazy.dtype, _WHAT)
+        ndim = _parametrize.expected_ndim(module)
+        if ndim is not None:
+            _axis(module, name, ndim, dim)
+        register = functools.partial(_register, name=name, dim=dim, eps=eps)
+        return lambda: _parametrize.defer(module, name, register, _MARKER)
+    _axis(module, name, weight.ndim, dim)
+    return functools.partial(_register, module, name, dim, eps)
 
 
-def _direct_targets(module: nn.Module, dim: int | None) -> Iterator[tuple[str, int]]:
-    """``module``'s own parameters that the converter takes (2 or more dims), with their axis."""
-    for name, param in module._parameters.items():
-        if param is not None and not is_uninitialized(param) and param.ndim >= 2:
-            refuse_wrapped(module, "weight normalization", param, name)
-            yield name, _axis(module, name, param.ndim, dim)
+def _register(module: nn.Module, name: str, dim: int | None, eps: float) -> Undo:
+    """Weight-normalizes ``module.<name>``, which exists (a lazy module's, by its first forward).
+
+    g and v are new Parameters; the old weight Parameter keeps its values, so a module that
+    shares (ties) it is unaffected.
+    """
+    weight = _parametrize.checked_tensor(module, name, _WHAT)
+    if weight is None:
+        raise ValueError(f"{describe(module, name)} is still uninitialized")
+    axis = _axis(module, name, weight.ndim, dim)
+    undo = _parametrize.register(module, name, WeightNorm(axis, eps))
+    _install_key_hooks(module, name, save_legacy=False)
+    return undo
 
 
-def _convert_all_direct(module: nn.Module, dim: int | None, eps: float) -> None:
-    for name, axis in list(_direct_targets(module, dim)):
-        _convert(module, name, axis, eps)
+def _torch_axis(found: Any) -> int | None:
+    # torch's weight norm computes the norm of the whole tensor for dim=-1 (and for None,
+    # which it stores as -1), and along that axis for any other dim.
+    dim: int = found.dim
+    return None if dim == -1 else dim
 
 
-def weight_norm(
-    module: M, name: str | None = None, *, dim: int | None = None, eps: float = 1e-12
-) -> M:
-    r"""Reparametrizes weights as ``W = g * v / (||v|| + eps)`` (Weight Normalization).
+def _plan_takeover(
+    module: nn.Module, name: str, dim: int | None, eps: float, *, strict_dim: bool
+) -> Step:
+    """The step that replaces torch's weight norm on ``module.<name>`` by normhooks'.
 
-    Like Chainer's ``convert_with_weight_normalization``, ``name=None`` converts every
-    parameter with 2 or more dimensions in ``module`` and all its submodules: Linear, Conv*,
-    ConvTranspose*, Embedding, every layer and direction of LSTM/GRU/RNN, MultiheadAttention's
-    projections, ... At conversion :math:`v = W / (\|W\| + \epsilon)` (unit rows) and
-    :math:`g = \|W\| + \epsilon`, so the module's output is unchanged.
+    g and v stay the same Parameter objects with the same values and state-dict keys; only
+    the formula changes (``eps`` added to the norm, zero rows give zeros instead of NaN).
+    With ``strict_dim`` the caller's ``dim`` must be the axis torch's runs along.
+    """
+    found = _parametrize.torch_weight_norm(module, name)
+    legacy = _parametrize.is_torch_legacy_weight_norm(found)
+    v = _torch_v(module, name, legacy)
+    _parametrize.refuse_wrapped(module, _WHAT, v, name)
+    axis = _axis(module, name, v.ndim, _torch_axis(found))
+    if strict_dim and _axis(module, name, v.ndim, dim) != axis:
+        kind = "torch.nn.utils." + ("weight_norm" if legacy else "parametrizations.weight_norm")
+        raise ValueError(
+            f"{describe(module, name)} carries torch's weight norm ({kind}) along dim={axis}; "
+            f"weight_norm takes it over with its g and v as they are: pass dim={axis}, got "
+            f"dim={dim}"
+        )
+    if legacy:
+        return functools.partial(_take_over_legacy, module, name, found, axis, eps)
+    return functools.partial(_take_over_parametrization, module, name, axis, eps)
 
-    Unlike torch's own ``weight_norm``, which keeps :math:`v = W`, the direction starts with
-    unit norm, as in the original: the gradient with respect to v is
-    :math:`\frac{g}{\|v\|}(\nabla_W - \ldots)`, so with unit v an optimizer takes the same steps
-    as Chainer's, and with torch's v it takes steps scaled by :math:`1/\|W\|`. The parameters
-    live where torch's ``parametrizations.weight_norm`` puts them
-    (``parametrizations.<name>.original0`` is g, ``original1`` is v), so state dicts load both
-    ways; checkpoints of the legacy ``torch.nn.utils.weight_norm`` (``<name>_g``,
-    ``<name>_v``) load too. A zero row of v gives a zero row of W, never NaN. Lazy modules are
-    converted at their first forward.
+
+def _torch_v(module: nn.Module, name: str, legacy: bool) -> Tensor:
+    if legacy:
+        v = module._parameters[f"{name}_v"]
+        assert v is not None  # the legacy hook registered it
+        return v
+    return _parametrize.original(module, name, "original1")
+
+
+def _take_over_parametrization(module: nn.Module, name: str, axis: int | None, eps: float) -> Undo:
+    chain = _parametrize.originals(module, name)
+    theirs = chain[0]
+    chain[0] = WeightNorm(axis, eps)
+    _install_key_hooks(module, name, save_legacy=False)
+
+    def undo() -> None:
+        chain[0] = theirs
+
+    return undo
+
+
+def _take_over_legacy(
+    module: nn.Module, name: str, hook: Any, axis: int | None, eps: float
+) -> Undo:
+    g_name, v_name = f"{name}_g", f"{name}_v"
+    g, v = module._parameters[g_name], module._parameters[v_name]
+    assert g is not None  # the legacy hook registered both
+    assert v is not None
+    restore_hook = _torch_compat.pop_forward_pre_hook(module, hook)
+    # The weight the hook computed at the last forward, a plain attribute: it goes, since
+    # the parametrization computes the weight from now on.
+    stale = module.__dict__.pop(name, None)
+    del module._parameters[g_name], module._parameters[v_name]
+    try:
+        # Registered on a stand-in of the right shape; the originals it derives are then
+        # replaced by the very g and v Parameters, so optimizers that hold them keep working.
+        module.register_parameter(name, nn.Parameter(v.detach().clone(), v.requires_grad))
+        wn = WeightNorm(axis, eps)
+        wn.legacy_keys = True
+        parametrize.register_parametrization(module, name, wn)
+        chain = _parametrize.originals(module, name)
+        chain.original0, chain.original1 = g, v
+        _install_key_hooks(module, name, save_legacy=True)
+    except BaseException:
+        _untake_legacy(module, name, g, v, stale, restore_hook)
+        raise
+
+    def undo() -> None:
+        _untake_legacy(module, name, g, v, stale, restore_hook)
+
+    return undo
+
+
+def _untake_legacy(
+    module: nn.Module,
+    name: str,
+    g: nn.Parameter,
+    v: nn.Parameter,
+    stale: Tensor | None,
+    restore_hook: Callable[[], None],
+) -> None:
+    if parametrize.is_parametrized(module, name):
+        parametrize.remove_parametrizations(module, name, leave_parametrized=True)
+    module._parameters.pop(name, None)
+    module.register_parameter(f"{name}_g", g)
+    module.register_parameter(f"{name}_v", v)
+    if stale is not None:
+        setattr(module, name, stale)
+    restore_hook()
+
+
+# --- public functions -----------------------------------------------------------------------
+
+
+def weight_norm(module: M, name: str = "weight", *, dim: int | None = 0, eps: float = 1e-12) -> M:
+    r"""Reparametrizes ``module.<name>`` as ``W = g * v / (||v|| + eps)`` (Weight Normalization).
+
+    Registers a :class:`WeightNorm` parametrization, like
+    ``torch.nn.utils.parametrizations.weight_norm`` and with its layout: g is
+    ``module.parametrizations.<name>.original0``, v ``original1``, so state dicts load both
+    ways, and checkpoints of the legacy ``torch.nn.utils.weight_norm`` (``<name>_g``,
+    ``<name>_v``) load too. At conversion :math:`v = W / (\|W\| + \epsilon)` (unit rows, as
+    in the Chainer original, so an optimizer takes its steps; torch keeps :math:`v = W`) and
+    :math:`g = \|W\| + \epsilon`: the module's output is unchanged. A zero row of v gives a
+    zero row of W, never NaN. On a lazy module the parametrization is registered at the first
+    forward, once the weight exists. To convert a whole model, use :func:`apply_weight_norm`.
+
+    A parameter that already carries torch's weight norm (either form) is taken over in
+    place: same g and v Parameters, same values, same state-dict keys; only the formula
+    becomes normhooks' (``eps`` is added to the norm, where torch adds none, and a zero row
+    gives zeros where torch gives NaN). Its ``dim`` must then be the one torch's runs along.
 
     Args:
-        module: the module to convert in place.
-        name: one parameter of ``module`` to convert, or None for every parameter with 2 or
-            more dimensions in the module tree (those already normalized are skipped).
-        dim: the axis with one norm per index. None picks the output axis: 1 for the
-            ``weight`` of transposed convolutions, 0 otherwise.
+        module: the layer that owns the parameter; changed in place.
+        name: the parameter's name.
+        dim: the axis with one norm per index: 0, the output axis of Linear and Conv* and the
+            input axis of ConvTranspose* (pass 1 there for one norm per output channel), as in
+            torch and the Chainer original. None: one norm for the whole tensor. Negative
+            values count from the end (torch's own ``weight_norm`` treats -1 as None).
         eps: added to the norm (Chainer's 1e-12 by default); must be non-negative.
 
     Returns:
@@ -322,94 +503,167 @@ def weight_norm(
         Training of Deep Neural Networks, arXiv:1602.07868.
 
     Example:
-        >>> lstm = weight_norm(torch.nn.LSTM(4, 8, num_layers=2))
-        >>> sorted(lstm.parametrizations)
-        ['weight_hh_l0', 'weight_hh_l1', 'weight_ih_l0', 'weight_ih_l1']
-        >>> g = lstm.parametrizations.weight_ih_l0.original0
-        >>> g.shape
+        >>> conv = weight_norm(torch.nn.Conv1d(4, 8, 3))
+        >>> conv.parametrizations.weight.original0.shape
+        torch.Size([8, 1, 1])
+        >>> lstm = weight_norm(torch.nn.LSTM(4, 8), "weight_hh_l0")
+        >>> lstm.parametrizations.weight_hh_l0.original0.shape
         torch.Size([32, 1])
     """
     eps = _checks.non_negative("eps", eps)
-    if name is not None:
-        _weight_norm_one(module, name, dim, eps)
-        return module
-    if not isinstance(module, nn.Module):
-        raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
-    refuse_wrapped(module, "weight normalization")
-    planned: list[tuple[nn.Module, str, int]] = []
-    lazy: list[nn.Module] = []
-    owners: dict[int, str] = {}
-    normalized = other = 0
-    for prefix, sub in module.named_modules():
-        if is_internal(sub):
-            continue
-        if any(is_uninitialized(p) for p in sub._parameters.values()):
-            if not _is_pending(sub, _ALL):
-                lazy.append(sub)
-            continue
-        for param_name, axis in _direct_targets(sub, dim):
-            where = f"{prefix}.{param_name}" if prefix else param_name
-            first = owners.setdefault(id(sub._parameters[param_name]), where)
-            if first != where:
-                raise ValueError(
-                    f"{first} and {where} are the same Parameter (tied weights); converting "
-                    "each would untie them. Convert one with weight_norm(module, name) and "
-                    "tie the other to it yourself"
-                )
-            planned.append((sub, param_name, axis))
-        for tensor_name in parametrized_names(sub):
-            if _is_weight_normalized(sub, tensor_name):
-                normalized += 1
-            else:
-                other += 1
-    if not planned and not lazy:
-        if normalized or other:
-            reason = (
-                f"of its parameters with 2 or more dimensions, {normalized} are already "
-                f"weight-normalized and {other} have another parametrization"
-            )
-        else:
-            reason = "it has no parameter with 2 or more dimensions"
-        raise ValueError(f"nothing to convert in {layer_name(module)}: {reason}")
-    for sub, param_name, axis in planned:
-        _convert(sub, param_name, axis, eps)
-    for sub in lazy:
-        register = functools.partial(_convert_all_direct, dim=dim, eps=eps)
-        _parametrize.defer(sub, _ALL, register, _MARKER)
+    dim = _check_dim(dim)
+    _parametrize.check_module(module)
+    if not isinstance(name, str) or not hasattr(module, name):
+        _parametrize.check_name(name)
+        raise ValueError(
+            f"{layer_name(module)} has no parameter named {name!r}; to convert every layer of "
+            "a model, use apply_weight_norm(model)"
+        )
+    _parametrize.apply_all([_plan(module, name, dim, eps, strict_dim=True)])
     return module
 
 
-def _weight_norm_one(module: nn.Module, name: str, dim: int | None, eps: float) -> None:
-    tensor = checked_tensor(module, name, "weight normalization")
-    if _is_weight_normalized(module, name) or _is_pending(module, name):
-        raise ValueError(f"{describe(module, name)} is already weight-normalized")
-    if parametrize.is_parametrized(module, name):
-        raise ValueError(
-            f"{describe(module, name)} already has another parametrization; weight "
-            "normalization needs the plain Parameter"
+def _layer_types(
+    layer_types: type[nn.Module] | Sequence[type[nn.Module]] | None,
+) -> tuple[type[nn.Module], ...]:
+    if layer_types is None:
+        return (nn.Linear, ConvNd)
+    types = (layer_types,) if isinstance(layer_types, type) else tuple(layer_types)
+    for layer_type in types:
+        if not (isinstance(layer_type, type) and issubclass(layer_type, nn.Module)):
+            raise TypeError(
+                "layer_types must be nn.Module subclasses, got "
+                f"{layer_type!r} in layer_types={layer_types!r}"
+            )
+    return types
+
+
+def _joined(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
+
+
+def _refuse_ties(model: nn.Module, planned: dict[int, str]) -> None:
+    """Raises if a Parameter about to be converted is also reachable under another name."""
+    for other, param in model.named_parameters(remove_duplicate=False):
+        first = planned.get(id(param))
+        if first is not None and first != other:
+            raise ValueError(
+                f"{first} and {other} are the same Parameter (tied weights); converting "
+                f"{first} would untie them. Leave its layer out (layer_types), or convert one "
+                "with weight_norm(module) and tie the other to it yourself"
+            )
+
+
+def apply_weight_norm(
+    model: M,
+    *,
+    layer_types: type[nn.Module] | Sequence[type[nn.Module]] | None = None,
+    dim: int | None = 0,
+    eps: float = 1e-12,
+) -> M:
+    """Weight-normalizes the ``weight`` of every matching layer in ``model``.
+
+    The whole tree is checked before anything changes: either every matching layer is
+    converted, or the call raises and the model is left as it was. Matching layers that carry
+    torch's weight norm (``torch.nn.utils.parametrizations.weight_norm`` or the legacy
+    ``torch.nn.utils.weight_norm``, on any of their parameters) are taken over in place, along
+    the ``dim`` they have: same g, same v, same state-dict keys, so a checkpoint of a model
+    built on torch's weight norm (Hugging Face's EnCodec, DAC, HiFi-GAN, wav2vec 2.0, ...)
+    loads unchanged. What changes numerically is the formula: ``eps`` is added to the norm
+    (torch computes ``g * v / ||v||``), and a zero row of v gives zeros where torch gives NaN.
+    torch's weight norm on layers that do not match is left in place, with a warning.
+
+    Args:
+        model: the model; changed in place.
+        layer_types: the layer classes to convert (subclasses included). None means
+            ``Linear``, every ``Conv*`` and every ``ConvTranspose*``, lazy ones included; gain
+            vectors, embeddings and recurrent matrices are left alone unless named here or
+            converted one by one with :func:`weight_norm`.
+        dim: see :func:`weight_norm`; applies to the layers converted, not to those taken over.
+        eps: see :func:`weight_norm`.
+
+    Returns:
+        ``model``. Layers already weight-normalized by normhooks are skipped, and so are
+        matching layers without a ``weight`` Parameter.
+
+    Raises:
+        ValueError: nothing to convert, tied weights (converting one would untie them), a
+            matching weight with another parametrization, or a bad weight (named).
+        TypeError: a matching weight that is not a real floating-point Parameter.
+
+    Example:
+        >>> model = torch.nn.Sequential(torch.nn.Conv1d(1, 4, 3), torch.nn.PReLU(4))
+        >>> model = apply_weight_norm(model)
+        >>> sorted(model[0].parametrizations), hasattr(model[1], "parametrizations")
+        (['weight'], False)
+    """
+    eps = _checks.non_negative("eps", eps)
+    dim = _check_dim(dim)
+    types = _layer_types(layer_types)
+    _parametrize.check_module(model, "model")
+    _parametrize.refuse_wrapped(model, _WHAT)
+    steps: list[Step] = []
+    planned: dict[int, str] = {}
+    left: list[str] = []
+    matched = already = 0
+    for prefix, layer in model.named_modules():
+        if _parametrize.is_internal(layer):
+            continue
+        torch_names = _parametrize.torch_weight_norm_names(layer)
+        if not isinstance(layer, types):
+            left.extend(_joined(prefix, n) for n in torch_names)
+            continue
+        steps.extend(_plan(layer, n, dim, eps, strict_dim=False) for n in torch_names)
+        has_weight = layer._parameters.get("weight") is not None
+        if "weight" in torch_names or not (
+            has_weight or parametrize.is_parametrized(layer, "weight")
+        ):
+            continue
+        matched += 1
+        if is_weight_normalized(layer, "weight"):
+            already += 1
+            continue
+        if has_weight:
+            planned[id(layer._parameters["weight"])] = _joined(prefix, "weight")
+        steps.append(_plan(layer, "weight", dim, eps, strict_dim=True))
+    _refuse_ties(model, planned)
+    if not steps:
+        names = (
+            "Linear, Conv* or ConvTranspose*"
+            if layer_types is None
+            else ", ".join(t.__name__ for t in types)
         )
-    if tensor is None:
-        register = functools.partial(_convert_named, name=name, dim=dim, eps=eps)
-        _parametrize.defer(module, name, register, _MARKER)
-        return
-    _convert(module, name, _axis(module, name, tensor.ndim, dim), eps)
-
-
-def _convert_named(module: nn.Module, name: str, dim: int | None, eps: float) -> None:
-    weight = module._parameters[name]
-    assert weight is not None
-    _convert(module, name, _axis(module, name, weight.ndim, dim), eps)
+        reason = (
+            f"all {matched} matching layers are already weight-normalized"
+            if matched
+            else f"it has no layer of type {names} with a weight"
+        )
+        raise ValueError(f"nothing to convert in {layer_name(model)}: {reason}")
+    _parametrize.apply_all(steps)
+    if left:
+        warnings.warn(
+            f"apply_weight_norm left torch's weight norm on {', '.join(left)}: their layer "
+            "types are not in layer_types; add them to take it over",
+            stacklevel=2,
+        )
+    return model
 
 
 def convert_with_weight_normalization(module_cls: Callable[..., M], *args: Any, **kwargs: Any) -> M:
     """Builds ``module_cls(*args, **kwargs)`` and weight-normalizes every parameter of 2+ dims.
 
-    The entry point of the original Chainer converter, for code ported from it.
+    The entry point of the original Chainer converter, for code ported from it: every
+    parameter with 2 or more dimensions in the module tree (LSTM and GRU matrices, attention
+    projections, embeddings included), along dim 0, with eps 1e-12. Like the original, it
+    does not take lazy modules; :func:`apply_weight_norm` does.
 
     Example:
         >>> conv = convert_with_weight_normalization(torch.nn.Conv2d, 3, 8, kernel_size=3)
         >>> conv.parametrizations.weight.original0.shape
         torch.Size([8, 1, 1, 1])
+        >>> lstm = convert_with_weight_normalization(torch.nn.LSTM, 4, 8, num_layers=2)
+        >>> sorted(lstm.parametrizations)
+        ['weight_hh_l0', 'weight_hh_l1', 'weight_ih_l0', 'weight_ih_l1']
     """
     if not callable(module_cls):
         raise TypeError(f"module_cls must be a module class, got {module_cls!r}")
@@ -419,17 +673,39 @@ def convert_with_weight_normalization(module_cls: Callable[..., M], *args: Any, 
             f"module_cls must build a torch.nn.Module, got {type(module).__name__} from "
             f"{module_cls!r}"
         )
-    return weight_norm(module)
+    steps: list[Step] = []
+    planned: dict[int, str] = {}
+    for prefix, sub in module.named_modules():
+        for name, param in sub._parameters.items():
+            if param is None:
+                continue
+            if _parametrize.is_uninitialized(param):
+                raise ValueError(
+                    f"{describe(sub, name)} does not exist yet (a lazy module); like the "
+                    "original converter, convert_with_weight_normalization needs it: use "
+                    "apply_weight_norm(module), which converts at the first forward"
+                )
+            if param.ndim >= 2:
+                planned.setdefault(id(param), _joined(prefix, name))
+                steps.append(_plan(sub, name, 0, 1e-12, strict_dim=True))
+    _refuse_ties(module, planned)
+    if not steps:
+        raise ValueError(
+            f"nothing to convert in {layer_name(module)}: it has no parameter with 2 or more "
+            "dimensions"
+        )
+    _parametrize.apply_all(steps)
+    return module
 
 
 def remove_weight_norm(module: M, name: str | None = None) -> M:
-    """Folds weight normalization back into plain Parameters.
+    """Folds weight normalization back into plain Parameters: normhooks' and torch's (both forms).
 
     The output is unchanged, and the weight becomes the Parameter object that held v, so an
     optimizer that holds v keeps updating the weight.
 
     Args:
-        module: the module.
+        module: the layer, or a model when ``name`` is None.
         name: the parameter to fold back, or None for every weight normalization in the
             module tree (pending ones on lazy modules included).
 
@@ -443,46 +719,60 @@ def remove_weight_norm(module: M, name: str | None = None) -> M:
         >>> linear.weight is v
         True
     """
-    if not isinstance(module, nn.Module):
-        raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
-    if name is not None and not isinstance(name, str):
-        raise TypeError(f"name must be a str or None, got name={name!r}")
+    _parametrize.check_module(module)
     if name is not None:
-        if cancel_pending(module, name, _MARKER):
+        _parametrize.check_name(name)
+        if _parametrize.cancel_pending(module, name, _MARKER):
             return module
-        if pending(module, _ALL, _MARKER):
-            raise ValueError(
-                f"{describe(module, name)} is waiting to be converted with every parameter of "
-                f"this lazy {layer_name(module)}; cancel that with remove_weight_norm(module)"
-            )
-        if not _is_weight_normalized(module, name):
-            raise ValueError(
-                f"{describe(module, name)} is not weight-normalized; nothing to remove"
-            )
-        _fold(module, name)
+        _remover(module, name)()
         return module
-    found = False
-    for sub in list(module.modules()):
-        if is_internal(sub):
+    removers: list[Callable[[], None]] = []
+    pending: list[tuple[nn.Module, str]] = []
+    for sub in module.modules():
+        if _parametrize.is_internal(sub):
             continue
-        found |= cancel_pending(sub, _ALL, _MARKER)
-        for param_name in parametrized_names(sub):
-            found |= cancel_pending(sub, param_name, _MARKER)
-            if _is_weight_normalized(sub, param_name):
-                _fold(sub, param_name)
-                found = True
-    if not found:
+        for param_name, param in sub._parameters.items():
+            if _parametrize.is_uninitialized(param) and _parametrize.pending(
+                sub, param_name, _MARKER
+            ):
+                pending.append((sub, param_name))
+        names = _parametrize.parametrized_names(sub) + _parametrize.torch_weight_norm_names(sub)
+        for param_name in dict.fromkeys(names):
+            if is_weight_normalized(sub, param_name) or _parametrize.has_torch_weight_norm(
+                sub, param_name
+            ):
+                removers.append(_remover(sub, param_name))
+    if not removers and not pending:
         raise ValueError(f"{layer_name(module)} has no weight normalization to remove")
+    for sub, param_name in pending:
+        _parametrize.cancel_pending(sub, param_name, _MARKER)
+    for remove in removers:
+        remove()
     return module
 
 
-def _fold(module: nn.Module, name: str) -> None:
-    if len(parametrizations_of(module, name)) > 1:
+def _remover(module: nn.Module, name: str) -> Callable[[], None]:
+    """Checks that ``module.<name>`` can be folded back; returns what folds it."""
+    found = _parametrize.torch_weight_norm(module, name)
+    if found is not None and _parametrize.is_torch_legacy_weight_norm(found):
+        return functools.partial(_fold_legacy, module, name, found)
+    chain = _parametrize.parametrizations_of(module, name)
+    if found is None and _normhooks_weight_norm(module, name) is None:
+        kinds = ", ".join(type(p).__name__ for p in chain)
+        detail = f" (its parametrizations: {kinds})" if kinds else ""
+        raise ValueError(
+            f"{describe(module, name)} is not weight-normalized{detail}; nothing to remove"
+        )
+    if len(chain) > 1:
         raise ValueError(
             f"{describe(module, name)} has other parametrizations besides weight "
             "normalization; remove those first"
         )
-    v = original(module, name, "original1")
+    return functools.partial(_fold, module, name)
+
+
+def _fold(module: nn.Module, name: str) -> None:
+    v = _parametrize.original(module, name, "original1")
     with torch.no_grad():
         weight = getattr(module, name).clone()
     parametrize.remove_parametrizations(module, name, leave_parametrized=True)
@@ -492,252 +782,14 @@ def _fold(module: nn.Module, name: str) -> None:
     module.register_parameter(name, v)
 
 
-_INIT_LAYERS = (nn.Linear, nn.modules.conv._ConvNd)
-
-
-def _unit_axis(layer: nn.Module, output: Tensor) -> int:
-    """The axis of a layer's output that indexes its units."""
-    if isinstance(layer, nn.Linear):
-        return output.ndim - 1
-    assert isinstance(layer, nn.modules.conv._ConvNd)
-    # An unbatched convolution (C, *spatial) has its channels first.
-    return 0 if output.ndim == len(layer.kernel_size) + 1 else 1
-
-
-def _all_reduce_(tensor: Tensor) -> Tensor:
-    if dist.is_available() and dist.is_initialized():
-        dist.all_reduce(tensor)
-    return tensor
-
-
-def _moments(t: Tensor, axis: int) -> tuple[Tensor, Tensor]:
-    """Per-unit mean and biased variance of ``t`` over every other axis, across ranks.
-
-    Two passes (mean, then squared deviations) in at least float32, summed over the default
-    process group when torch.distributed is initialized, so every rank gets the moments of the
-    global batch.
-    """
-    acc = torch.promote_types(t.dtype, torch.float32)
-    rows = t.movedim(axis, -1).reshape(-1, t.shape[axis]).to(acc)
-    packed = torch.cat([rows.sum(0), rows.new_tensor([rows.shape[0]])])
-    _all_reduce_(packed)
-    count = packed[-1]
-    mean = packed[:-1] / count
-    variance = _all_reduce_((rows - mean).square().sum(0)) / count
-    return mean, variance
-
-
-class _Initializer:
-    """Forward hooks that initialize each WN layer from the activations reaching it."""
-
-    def __init__(self, scale: float) -> None:
-        self.scale = scale
-        self.done: set[nn.Module] = set()
-        self.values: dict[nn.Module, list[Tensor]] = {}
-
-    def before(self, layer: nn.Module, args: tuple[Any, ...]) -> None:
-        if layer in self.done:
-            return
-        # g = 1 and no bias make the layer's output the paper's pre-activation t = v.x/||v||.
-        g, *bias = _init_params(layer)
-        g.fill_(1.0)
-        for b in bias:
-            b.zero_()
-
-    def after(self, layer: nn.Module, args: tuple[Any, ...], output: Tensor) -> Tensor | None:
-        if layer in self.done:
-            return None
-        self.done.add(layer)
-        axis = _unit_axis(layer, output)
-        mean, variance = _moments(output, axis)
-        std = variance.sqrt()
-        # A unit whose pre-activation is constant over the batch has no scale to set.
-        g = torch.where(std > 0, self.scale / std, torch.full_like(std, self.scale))
-        g_param, *bias = _init_params(layer)
-        values = [g.view(g_param.shape)]
-        shape = [1] * output.ndim
-        shape[axis] = -1
-        initialized = output * g.view(shape)
-        if bias:
-            b = -mean * g
-            values.append(b)
-            initialized = initialized + b.view(shape)
-        # Written now for a layer the forward calls again, and after the forward for good
-        # (FSDP2 may already have put the sharded parameters back by now).
-        for param, value in zip(_init_params(layer), values, strict=True):
-            _assign_full_(param, value)
-        self.values[layer] = values
-        # What the layer now outputs, so that the layers after it see initialized inputs.
-        return initialized.to(output.dtype)
-
-
-def _initializable(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    layers: list[tuple[str, nn.Module]] = []
-    for name, layer in model.named_modules():
-        if isinstance(layer, _INIT_LAYERS) and _is_pending(layer, "weight"):
-            raise ValueError(
-                f"data_dependent_init: {name or layer_name(model)} ({layer_name(layer)}) is a "
-                "lazy module whose weight does not exist yet; run one forward first"
-            )
-        if not (isinstance(layer, _INIT_LAYERS) and _is_weight_normalized(layer, "weight")):
-            continue
-        where = f"{name or layer_name(model)} ({layer_name(layer)})"
-        chain = parametrizations_of(layer, "weight")
-        wn = chain[0]
-        if len(chain) > 1 or not isinstance(wn, WeightNorm):
-            raise ValueError(
-                f"data_dependent_init needs weight normalization alone on {where}.weight, "
-                f"found {[type(p).__name__ for p in chain]}: a parametrization on top of it "
-                "would change how g scales the output"
-            )
-        if wn.dim % original(layer, "weight", "original1").ndim != output_axis(layer):
-            raise ValueError(
-                f"data_dependent_init needs one g per output unit, but {where} is "
-                f"weight-normalized along dim={wn.dim}"
-            )
-        if isinstance(layer, nn.modules.conv._ConvTransposeNd) and layer.groups > 1:
-            raise ValueError(
-                f"data_dependent_init cannot initialize {where}: with groups={layer.groups} "
-                "each g of a transposed convolution scales one output channel per group"
-            )
-        layers.append((name, layer))
-    return layers
-
-
-def _run(model: nn.Module, batch: Any) -> None:
-    if isinstance(batch, Mapping):
-        model(**batch)
-    elif isinstance(batch, (tuple, list)):
-        model(*batch)
-    else:
-        model(batch)
-
-
-def data_dependent_init(model: M, batch: Any, *, scale: float = 1.0) -> M:
-    r"""Initializes every weight-normalized Linear/Conv layer from one batch (paper, section 3).
-
-    Runs ``model`` once on ``batch`` under ``torch.no_grad()``, in eval mode. For each
-    weight-normalized ``Linear``, ``Conv*`` or ``ConvTranspose*`` layer, in the order the
-    forward reaches it, computes its pre-activation :math:`t = v \cdot x / \|v\|` (g = 1, no
-    bias), the per-unit mean :math:`\mu` and biased standard deviation :math:`\sigma` of
-    :math:`t` over the batch (and spatial) axes, and sets
-
-    .. math::
-
-        g \leftarrow \frac{\text{scale}}{\sigma}, \qquad
-        b \leftarrow -\frac{\mu \cdot \text{scale}}{\sigma}
-
-    (only g where the layer has no bias). Each layer sees the already initialized layers
-    before it, so afterwards every such layer's outputs on ``batch`` have per-unit mean 0
-    and standard deviation ``scale``. Under ``torch.distributed`` the moments are summed over
-    the default process group, so every rank ends with identical g and b. Weight-normalized
-    parameters of other layers (LSTM weights, ...) keep their g. The model's train/eval
-    modes are restored; if the forward fails, its error propagates and the model is left as
-    it was. Layers the forward never reached are named in a warning.
-
-    Args:
-        model: a model with weight-normalized layers (see :func:`weight_norm`).
-        batch: the model's input: a tensor (``model(batch)``), a tuple or list
-            (``model(*batch)``) or a mapping (``model(**batch)``).
-        scale: the standard deviation each layer's outputs get.
-
-    Returns:
-        ``model``.
-
-    References:
-        Salimans and Kingma, Weight Normalization, arXiv:1602.07868, section 3.
-
-    Example:
-        >>> model = weight_norm(torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Tanh()))
-        >>> x = torch.randn(256, 4)
-        >>> model = data_dependent_init(model, x)
-        >>> y = model[0](x)
-        >>> torch.allclose(y.mean(0), torch.zeros(3), atol=1e-5)
-        True
-        >>> torch.allclose(y.std(0, unbiased=False), torch.ones(3), atol=1e-5)
-        True
-    """
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    scale = _checks.positive("scale", scale)
-    layers = _initializable(model)
-    if not layers:
-        raise ValueError(
-            f"{layer_name(model)} has no weight-normalized Linear, Conv or ConvTranspose "
-            "layer to initialize; convert it with weight_norm first"
-        )
-    modes = {module: module.training for module in model.modules()}
-    saved = [(layer, [p.detach().clone() for p in _init_params(layer)]) for _, layer in layers]
-    initializer = _Initializer(scale)
-    handles = []
-    try:
-        for _, layer in layers:
-            handles.append(layer.register_forward_pre_hook(initializer.before))
-            handles.append(layer.register_forward_hook(initializer.after))
-        model.eval()
-        with torch.no_grad():
-            _run(model, batch)
-        # Under FSDP2 the forward wrote into unsharded copies: write the sharded originals.
-        _reshard(model)
-        with torch.no_grad():
-            for layer, values in initializer.values.items():
-                for param, value in zip(_init_params(layer), values, strict=True):
-                    _assign_full_(param, value)
-    except BaseException:
-        _reshard(model)
-        with torch.no_grad():
-            for layer, values in saved:
-                for param, value in zip(_init_params(layer), values, strict=True):
-                    param.copy_(value)
-        raise
-    finally:
-        for handle in handles:
-            handle.remove()
-        for module, training in modes.items():
-            module.training = training
-    missed = [name for name, layer in layers if layer not in initializer.done]
-    if missed:
-        warnings.warn(
-            "data_dependent_init: the forward never reached "
-            + ", ".join(missed)
-            + "; their g and bias keep their values",
-            stacklevel=2,
-        )
-    return model
-
-
-def _init_params(layer: nn.Module) -> list[Tensor]:
-    """The tensors data_dependent_init sets: g, then the bias if the layer has one."""
-    params: list[Tensor] = [original(layer, "weight", "original0")]
-    bias = layer._parameters.get("bias")
-    if bias is not None:
-        params.append(bias)
-    return params
-
-
-def _reshard(model: nn.Module) -> None:
-    """Puts every FSDP2 module of ``model`` back in its sharded state."""
-    fsdp = sys.modules.get("torch.distributed.fsdp")
-    if fsdp is None:
-        return
-    for module in model.modules():
-        if isinstance(module, fsdp.FSDPModule):
-            module.reshard()
-
-
-def _assign_full_(param: Tensor, value: Tensor) -> None:
-    """Writes the full tensor ``value`` (identical on every rank) into ``param``."""
-    dtensor = sys.modules.get("torch.distributed.tensor")
-    if dtensor is None or not isinstance(param, dtensor.DTensor):
-        param.copy_(value.view_as(param))
-        return
-    sharded: Any = param
-    full = value.to(sharded.dtype).view(sharded.shape)
-    try:
-        # Every rank holds the full value: each keeps its own shard, no communication.
-        local = dtensor.distribute_tensor(
-            full, sharded.device_mesh, sharded.placements, src_data_rank=None
-        )
-    except TypeError:  # torch without src_data_rank: scatter rank 0's (identical) copy
-        local = dtensor.distribute_tensor(full, sharded.device_mesh, sharded.placements)
-    sharded.to_local().copy_(local.to_local())
+def _fold_legacy(module: nn.Module, name: str, hook: Any) -> None:
+    v = module._parameters[f"{name}_v"]
+    assert v is not None  # the legacy hook registered it
+    with torch.no_grad():
+        weight = hook.compute_weight(module)
+    _torch_compat.pop_forward_pre_hook(module, hook)
+    module.__dict__.pop(name, None)
+    del module._parameters[f"{name}_g"], module._parameters[f"{name}_v"]
+    with torch.no_grad():
+        v.copy_(weight)
+    module.register_parameter(name, v)

@@ -11,12 +11,9 @@ from __future__ import annotations
 import functools
 import importlib.util
 
-import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from normhooks import _torch_compat
-
-_PLAIN = (Tensor, nn.Parameter)
 
 
 @functools.cache
@@ -26,13 +23,7 @@ def _triton_importable() -> bool:
 
 def available(tensor: Tensor) -> bool:
     """Whether the kernels can run on ``tensor``."""
-    return (
-        tensor.is_cuda
-        and type(tensor) in _PLAIN
-        and not torch.compiler.is_compiling()
-        and not _torch_compat.is_functorch_wrapped(tensor)
-        and _triton_importable()
-    )
+    return tensor.is_cuda and _torch_compat.plain_eager(tensor) and _triton_importable()
 
 
 def lars_unit_(

@@ -1,0 +1,308 @@
+"""The contract every normhooks parametrization keeps, run over each of them.
+
+Like optax's shared optimizer tests: one suite, every technique. Each kind converts a model,
+bakes it back, and names its parametrization class; the tests below hold for all of them.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import io
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import pytest
+import torch
+from torch import nn
+from torch.nn.utils import parametrize
+
+from helpers import assert_compiled_training_matches_eager, small_cnn
+from normhooks import (
+    ScaledWeightStandardization,
+    WeightNorm,
+    WeightStandardization,
+    apply_weight_norm,
+    apply_weight_standardization,
+    remove_weight_norm,
+    remove_weight_standardization,
+)
+
+
+@dataclass(frozen=True)
+class Kind:
+    apply: Callable[..., nn.Module]  # (model, *, layer_types=None) -> model
+    bake: Callable[[nn.Module], nn.Module]
+    parametrization: type[nn.Module]
+
+
+KINDS = {
+    "ws": Kind(apply_weight_standardization, remove_weight_standardization, WeightStandardization),
+    "scaled-ws": Kind(
+        functools.partial(apply_weight_standardization, scaled=True, gamma=1.5),
+        remove_weight_standardization,
+        ScaledWeightStandardization,
+    ),
+    "wn": Kind(apply_weight_norm, remove_weight_norm, WeightNorm),
+}
+
+
+@pytest.fixture(params=list(KINDS), ids=list(KINDS))
+def kind(request: pytest.FixtureRequest) -> Kind:
+    return KINDS[request.param]
+
+
+def converted(kind: Kind, dtype: torch.dtype = torch.float32) -> nn.Module:
+    model = small_cnn().to(dtype)
+    model(torch.randn(1, 3, 8, 8, dtype=dtype))  # materializes the lazy head
+    return kind.apply(model)
+
+
+def parametrized_layers(model: nn.Module) -> list[nn.Module]:
+    return [m for m in model.modules() if parametrize.is_parametrized(m, "weight")]
+
+
+def x_for(dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return torch.randn(4, 3, 8, 8, dtype=dtype)
+
+
+@contextmanager
+def counting(kind: Kind) -> Iterator[list[int]]:
+    """Counts forwards of ``kind``'s parametrization class: weights actually computed."""
+    calls = [0]
+    original = kind.parametrization.forward
+
+    def counted(self: nn.Module, *tensors: torch.Tensor) -> torch.Tensor:
+        calls[0] += 1
+        result: torch.Tensor = original(self, *tensors)
+        return result
+
+    kind.parametrization.forward = counted  # type: ignore[method-assign]
+    try:
+        yield calls
+    finally:
+        kind.parametrization.forward = original  # type: ignore[method-assign]
+
+
+# --- state dicts, copies, baking ------------------------------------------------------------
+
+
+def test_state_dict_round_trip_through_torch_save(kind: Kind) -> None:
+    model = converted(kind)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.01 * torch.randn_like(p))
+    buffer = io.BytesIO()
+    torch.save(model.state_dict(), buffer)
+    buffer.seek(0)
+    fresh = converted(kind)
+    fresh.load_state_dict(torch.load(buffer))
+    x = x_for()
+    torch.testing.assert_close(fresh(x), model(x), rtol=0, atol=0)
+
+
+def test_deepcopy_is_independent(kind: Kind) -> None:
+    model = converted(kind)
+    clone = copy.deepcopy(model)
+    x = x_for()
+    torch.testing.assert_close(clone(x), model(x), rtol=0, atol=0)
+    before = model(x).detach()
+    with torch.no_grad():
+        for p in clone.parameters():
+            p.mul_(-1.5)
+    torch.testing.assert_close(model(x), before, rtol=0, atol=0)
+    assert not torch.allclose(clone(x), before)
+
+
+def test_baked_model_loads_into_the_plain_model(kind: Kind) -> None:
+    model = converted(kind)
+    x = x_for()
+    expected = model(x).detach()
+    kind.bake(model)
+    assert not parametrized_layers(model)
+    plain = small_cnn()
+    plain(torch.randn(1, 3, 8, 8))
+    plain.load_state_dict(model.state_dict())
+    torch.testing.assert_close(plain(x), expected, rtol=1e-5, atol=1e-6)
+    for param in model.parameters():
+        assert param.is_contiguous()
+
+
+def test_compiled_training_step_matches_eager(kind: Kind) -> None:
+    assert_compiled_training_matches_eager(
+        converted(kind), x_for(), lambda m: torch.optim.SGD(m.parameters(), lr=0.1)
+    )
+
+
+def test_lazy_model_is_converted_at_its_first_forward(kind: Kind) -> None:
+    x = torch.randn(1, 3, 8, 8)
+    torch.manual_seed(1)
+    lazy = kind.apply(small_cnn())
+    first = lazy(x)  # materializes the head, then converts it
+    torch.manual_seed(1)
+    eager = small_cnn()
+    eager(x)
+    torch.testing.assert_close(first, kind.apply(eager)(x), rtol=0, atol=0)
+    assert len(parametrized_layers(lazy)) == len(parametrized_layers(eager))
+
+
+# --- weights are recomputed at every access; cached only inside parametrize.cached() ----------
+
+
+def test_every_eval_forward_recomputes(kind: Kind) -> None:
+    model = converted(kind).eval()
+    layers = len(parametrized_layers(model))
+    with counting(kind) as calls, torch.no_grad():
+        model(x_for())
+        model(x_for())
+    assert calls[0] == 2 * layers
+
+
+def test_parametrize_cached_computes_each_weight_once_per_scope(kind: Kind) -> None:
+    model = converted(kind).eval()
+    layers = len(parametrized_layers(model))
+    x = x_for()
+    with torch.no_grad():
+        expected = model(x)
+    with counting(kind) as calls, torch.no_grad(), parametrize.cached():
+        first, second = model(x), model(x)
+    assert calls[0] == layers
+    torch.testing.assert_close(first, expected, rtol=0, atol=0)
+    torch.testing.assert_close(second, expected, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        lambda m: m.half().float(),
+        lambda m: [p.data.mul_(1.5) for p in m.parameters()],
+        lambda m: [p.mul_(1.5) for p in m.parameters()],
+    ],
+    ids=["half-float", "data-write", "in-place"],
+)
+def test_eval_forward_after_a_weight_change_is_never_stale(
+    kind: Kind, change: Callable[[nn.Module], object]
+) -> None:
+    model = converted(kind).eval()
+    x = x_for()
+    with torch.no_grad():
+        model(x)
+        change(model)
+        served = model(x)
+    fresh = copy.deepcopy(model)
+    with torch.no_grad():
+        torch.testing.assert_close(served, fresh(x), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["foreach", "fused"])
+def test_eval_forward_sees_every_optimizer_step(kind: Kind, fused: bool) -> None:
+    model = converted(kind)
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.1, fused=fused)
+    x = x_for()
+    for _ in range(2):
+        model.train()
+        optimizer.zero_grad()
+        model(x).square().mean().backward()
+        optimizer.step()
+        model.eval()
+        with torch.no_grad():
+            served = model(x)
+        with torch.no_grad():
+            torch.testing.assert_close(served, copy.deepcopy(model)(x), rtol=0, atol=0)
+
+
+def test_gradcheck_in_eval_mode(kind: Kind) -> None:
+    """gradcheck perturbs its inputs in place; an eval forward must see each perturbation."""
+    model = converted(kind, torch.float64).eval()
+    x = x_for(torch.float64)[:1]
+    params = tuple(p for p in model.parameters() if p.ndim > 1)[:2]
+    assert torch.autograd.gradcheck(lambda *p: model(x), params)
+
+
+# --- torch.func -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", ["train", "eval"])
+def test_torch_func_per_sample_gradients(kind: Kind, mode: str) -> None:
+    model = converted(kind, torch.float64).train(mode == "train")
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    x, y = x_for(torch.float64), torch.randn(4, 2, dtype=torch.float64)
+
+    def loss(p: dict[str, torch.Tensor], xi: torch.Tensor, yi: torch.Tensor) -> torch.Tensor:
+        out = torch.func.functional_call(model, p, (xi.unsqueeze(0),))
+        return (out - yi).square().sum()
+
+    per_sample = torch.func.vmap(torch.func.grad(loss), in_dims=(None, 0, 0))(params, x, y)
+    for i in range(len(x)):
+        model.zero_grad()
+        loss(dict(model.named_parameters()), x[i], y[i]).backward()
+        for name, param in model.named_parameters():
+            torch.testing.assert_close(per_sample[name][i], param.grad)
+
+
+def test_torch_func_ensemble_and_jvp(kind: Kind) -> None:
+    models = [converted(kind, torch.float64).eval() for _ in range(3)]
+    params, buffers = torch.func.stack_module_state(models)
+    x = x_for(torch.float64)
+    base = copy.deepcopy(models[0]).to("meta")
+    outputs = torch.func.vmap(lambda p, b: torch.func.functional_call(base, (p, b), (x,)))(
+        params, buffers
+    )
+    with torch.no_grad():
+        for i, m in enumerate(models):
+            torch.testing.assert_close(outputs[i], m(x))
+    model = models[0]
+    raw = {k: v.detach() for k, v in model.named_parameters()}
+    tangent = {k: torch.randn_like(v) for k, v in raw.items()}
+
+    def run(p: dict[str, torch.Tensor]) -> torch.Tensor:
+        return torch.func.functional_call(model, p, (x,))
+
+    _, directional = torch.func.jvp(run, (raw,), (tangent,))
+    step = 1e-6
+    with torch.no_grad():
+        ahead = run({k: v + step * tangent[k] for k, v in raw.items()})
+        behind = run({k: v - step * tangent[k] for k, v in raw.items()})
+    torch.testing.assert_close(directional, (ahead - behind) / (2 * step), rtol=1e-6, atol=1e-6)
+
+
+# --- errors leave the model unchanged -------------------------------------------------------
+
+
+def assert_unchanged(model: nn.Module, params: list[nn.Parameter]) -> None:
+    assert not parametrized_layers(model)
+    assert list(model.parameters()) == params
+
+
+def test_a_bad_layer_anywhere_leaves_the_whole_model_unchanged(kind: Kind) -> None:
+    model = small_cnn()
+    model(torch.randn(1, 3, 8, 8))
+    model[-1].weight = nn.Parameter(torch.ones(2, 16, dtype=torch.int64), requires_grad=False)
+    params = list(model.parameters())
+    bad_layer_types = (nn.Conv2d, nn.Linear)
+    with pytest.raises(TypeError, match=r"Linear\.weight must be a real floating-point tensor"):
+        kind.apply(model, layer_types=bad_layer_types)
+    assert_unchanged(model, params)
+
+
+def test_sparse_embedding_is_refused_at_registration(kind: Kind) -> None:
+    model = nn.Sequential(nn.Embedding(10, 4, sparse=True))
+    params = list(model.parameters())
+    with pytest.raises(ValueError, match=r"Embedding has sparse=True.*Use sparse=False"):
+        kind.apply(model, layer_types=nn.Embedding)
+    assert_unchanged(model, params)
+
+
+def test_wrapped_in_ddp_is_refused_with_the_order_to_follow(kind: Kind) -> None:
+    """DDP would never average the gradients of parameters created after it was built."""
+    ddp = pytest.importorskip("torch.nn.parallel")
+    model = converted(kind)
+    fake = ddp.DistributedDataParallel.__new__(ddp.DistributedDataParallel)
+    nn.Module.__init__(fake)
+    fake.module = small_cnn()
+    params = list(fake.parameters())
+    with pytest.raises(ValueError, match=r"wrapped by DistributedDataParallel\. Apply .* before"):
+        kind.apply(fake)
+    assert_unchanged(fake, params)
+    assert parametrized_layers(model)
