@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 from helpers import assert_compiled_training_matches_eager, assert_grad_scaler_matches_unscaled
-from normhooks import GradientLARS, lars_, lars_param_groups, weight_norm
+from normhooks import GradientLARS, apply_weight_norm, lars_, lars_param_groups
 
 
 def reference(
@@ -439,7 +439,7 @@ def test_lars_param_groups_exclude_replaces_rule() -> None:
 
 
 def test_lars_param_groups_leaves_gains_alone() -> None:
-    model = weight_norm(nn.Sequential(nn.Conv2d(3, 8, 3)))
+    model = apply_weight_norm(nn.Sequential(nn.Conv2d(3, 8, 3)))
     groups = lars_param_groups(model)
     skipped = {id(p) for p in groups[1]["params"]}
     assert id(model[0].parametrizations.weight.original0) in skipped

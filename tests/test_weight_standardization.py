@@ -715,3 +715,52 @@ def _cnn() -> nn.Module:
     return nn.Sequential(
         nn.Conv2d(3, 4, 3), nn.GroupNorm(2, 4), nn.ReLU(), nn.Flatten(), nn.LazyLinear(2)
     )
+
+
+class _SmoothBlock(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(width, width, 3, padding=1, bias=False)
+        self.norm1 = nn.GroupNorm(4, width)
+        self.conv2 = nn.Conv2d(width, width, 3, padding=1, bias=False)
+        self.norm2 = nn.GroupNorm(4, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # SiLU, not ReLU: a ReLU gradient jumps where a pre-activation within float32 noise of
+        # 0 changes sign, which any two float32 schedules (eager channels_last as much as
+        # inductor's) decide differently now and then, so no tight tolerance could hold.
+        y = nn.functional.silu(self.norm1(self.conv1(x)))
+        return nn.functional.silu(x + self.norm2(self.conv2(y)))
+
+
+@pytest.mark.inductor
+def test_inductor_gradients_of_a_multi_block_model_match_float64_eager() -> None:
+    """Inductor's layout optimization runs these convolutions channels_last; the standardized
+    weights and every gradient must still match float64 eager to float32 rounding."""
+    torch._dynamo.reset()
+    width = 16
+    model = apply_weight_standardization(
+        nn.Sequential(
+            nn.Conv2d(3, width, 3, padding=1, bias=False),
+            nn.GroupNorm(4, width),
+            nn.SiLU(),
+            _SmoothBlock(width),
+            _SmoothBlock(width),
+            nn.AdaptiveAvgPool2d(1),
+            nn.Flatten(),
+            nn.Linear(width, 10),
+        )
+    )
+    x, y = torch.randn(4, 3, 16, 16), torch.randint(0, 10, (4,))
+
+    def gradients(dtype: torch.dtype, compiled: bool) -> list[torch.Tensor]:
+        copy_ = copy.deepcopy(model).to(dtype)
+        run = torch.compile(copy_, backend="inductor") if compiled else copy_
+        nn.functional.cross_entropy(run(x.to(dtype)), y).backward()
+        return [p.grad.double() for p in copy_.parameters()]
+
+    truth = gradients(torch.float64, compiled=False)
+    compiled = gradients(torch.float32, compiled=True)
+    assert len(compiled) == len(truth) == 17
+    for got, want in zip(compiled, truth, strict=True):
+        assert ((got - want).norm() / want.norm()).item() < 1e-4
