@@ -8,14 +8,14 @@ BIN := $(VENV)/bin
 PIP := $(BIN)/python -m pip install --quiet --disable-pip-version-check -c constraints.txt
 STAMP := $(VENV)/.installed
 
-.PHONY: install test lint typecheck pytest bench demo clean
+.PHONY: install test lint typecheck docs pytest bench demo clean
 
 install: $(STAMP)
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(PIP) torch==2.13.0
-	$(PIP) -e '.[dev,demo]'
+	$(PIP) -e '.[dev,demo,docs]'
 	touch $(STAMP)
 
 lint: $(STAMP)
@@ -28,7 +28,12 @@ typecheck: $(STAMP)
 pytest: $(STAMP)
 	$(BIN)/python -m pytest
 
-test: lint typecheck pytest
+# --strict turns every warning into an error: a broken cross-reference, an API block naming an
+# object that does not exist, a docstring whose Args do not match the signature.
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir build/site
+
+test: lint typecheck docs pytest
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/lars.py
