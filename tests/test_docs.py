@@ -29,12 +29,6 @@ EXAMPLES = [
 # ::: blocks and removes them from here, and test_pending_names_are_not_documented_yet says
 # when that is due.
 PENDING = {
-    "WeightNorm",
-    "apply_weight_norm",
-    "convert_with_weight_normalization",
-    "data_dependent_init",
-    "remove_weight_norm",
-    "weight_norm",
     "AdaptiveGradientClipping",
     "agc_",
     "TrustRatio",
