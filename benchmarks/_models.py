@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from torch import Tensor, nn
 from torch.nn.utils import parametrize
 
@@ -55,6 +57,27 @@ class ResNet18(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         return self.head(self.blocks(self.stem(x)))
+
+
+class LSTMModel(nn.Module):
+    """A 2-layer LSTM classifier: RNNs read each parametrized weight several times a forward."""
+
+    def __init__(self, features: int = 128, hidden: int = 256, classes: int = 10) -> None:
+        super().__init__()
+        self.lstm = nn.LSTM(features, hidden, num_layers=2, batch_first=True)
+        self.head = nn.Linear(hidden, classes)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.head(self.lstm(x)[0][:, -1])
+
+
+def on_every_matrix(convert: Callable[[nn.Module, str], object], model: nn.Module) -> nn.Module:
+    """``convert(module, name)`` on every parameter with 2 or more dims (the LSTM's too)."""
+    for module in list(model.modules()):
+        for name, param in list(module.named_parameters(recurse=False)):
+            if param.ndim >= 2:
+                convert(module, name)
+    return model
 
 
 class _Unchanged(nn.Module):

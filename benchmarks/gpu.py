@@ -35,7 +35,7 @@ from torch import Tensor, nn
 from torch.nn.utils import parametrize
 from torch.nn.utils.parametrizations import weight_norm as torch_weight_norm
 
-from _models import ResNet18, with_empty_parametrizations
+from _models import LSTMModel, ResNet18, on_every_matrix, with_empty_parametrizations
 from _timing import print_ratios, time_side_by_side
 from normhooks import GradientLARS, _kernels, apply_weight_standardization
 from normhooks import weight_norm as normhooks_weight_norm
@@ -77,15 +77,6 @@ def with_normhooks_standardization(model: nn.Module) -> nn.Module:
     return apply_weight_standardization(model, eps=WS_EPS)
 
 
-def with_torch_weight_norm(model: nn.Module) -> nn.Module:
-    """torch's weight_norm on every parameter that normhooks converts (2 or more dims)."""
-    for module in list(model.modules()):
-        for name, param in list(module.named_parameters(recurse=False)):
-            if param.ndim >= 2:
-                torch_weight_norm(module, name)
-    return model
-
-
 def naive_lars_(params: list[Tensor], weight_decay: float) -> None:
     """The per-parameter loop most hand-written LARS hooks use: several kernels per tensor."""
     for param in params:
@@ -96,16 +87,6 @@ def naive_lars_(params: list[Tensor], weight_decay: float) -> None:
         g_norm = torch.linalg.vector_norm(grad)
         rate = torch.where(w_norm > 1e-2, w_norm / (1e-9 + g_norm + weight_decay * w_norm), 1.0)
         grad.add_(param, alpha=weight_decay).mul_(rate)
-
-
-class LSTMModel(nn.Module):
-    def __init__(self, features: int = 128, hidden: int = 256, classes: int = 10) -> None:
-        super().__init__()
-        self.lstm = nn.LSTM(features, hidden, num_layers=2, batch_first=True)
-        self.head = nn.Linear(hidden, classes)
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.head(self.lstm(x)[0][:, -1])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -163,8 +144,8 @@ def model_variants(
         "plain, a second copy (noise)": lambda m: m,
         "normhooks weight standardization": with_normhooks_standardization,
         "timm-style batch_norm standardization": with_batch_norm_standardization,
-        "normhooks weight_norm": normhooks_weight_norm,
-        "torch weight_norm": with_torch_weight_norm,
+        "normhooks weight_norm": functools.partial(on_every_matrix, normhooks_weight_norm),
+        "torch weight_norm": functools.partial(on_every_matrix, torch_weight_norm),
     }
     if not standardize:  # weight standardization is for convolutions
         del variants["normhooks weight standardization"]

@@ -13,34 +13,14 @@ from __future__ import annotations
 
 import argparse
 import copy
-from collections.abc import Callable
 
 import torch
 from torch import Tensor, nn
 from torch.nn.utils.parametrizations import weight_norm as torch_weight_norm
 
-from _models import ResNet18, with_empty_parametrizations
+from _models import LSTMModel, ResNet18, on_every_matrix, with_empty_parametrizations
 from _timing import compare_models
 from normhooks import weight_norm
-
-
-class LSTMModel(nn.Module):
-    def __init__(self, features: int = 128, hidden: int = 256, classes: int = 10) -> None:
-        super().__init__()
-        self.lstm = nn.LSTM(features, hidden, num_layers=2, batch_first=True)
-        self.head = nn.Linear(hidden, classes)
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.head(self.lstm(x)[0][:, -1])
-
-
-def on_every_matrix(convert: Callable[[nn.Module, str], object], model: nn.Module) -> nn.Module:
-    """``convert(module, name)`` on every parameter with 2 or more dims (the LSTM's too)."""
-    for module in list(model.modules()):
-        for name, param in list(module.named_parameters(recurse=False)):
-            if param.ndim >= 2:
-                convert(module, name)
-    return model
 
 
 def compare(

@@ -150,6 +150,23 @@ def has_torch_weight_norm(module: nn.Module, name: str) -> bool:
     return torch_weight_norm(module, name) is not None
 
 
+def layer_types(
+    types: type[nn.Module] | Sequence[type[nn.Module]] | None,
+    default: tuple[type[nn.Module], ...],
+) -> tuple[type[nn.Module], ...]:
+    """The ``layer_types`` argument of a tree conversion as a tuple of module classes."""
+    if types is None:
+        return default
+    found = (types,) if isinstance(types, type) else tuple(types)
+    for layer_type in found:
+        if not (isinstance(layer_type, type) and issubclass(layer_type, nn.Module)):
+            raise TypeError(
+                f"layer_types must be nn.Module subclasses, got {layer_type!r} in "
+                f"layer_types={types!r}"
+            )
+    return found
+
+
 # --- checks ---------------------------------------------------------------------------------
 
 

@@ -523,21 +523,6 @@ def weight_norm(module: M, name: str = "weight", *, dim: int | None = 0, eps: fl
     return module
 
 
-def _layer_types(
-    layer_types: type[nn.Module] | Sequence[type[nn.Module]] | None,
-) -> tuple[type[nn.Module], ...]:
-    if layer_types is None:
-        return (nn.Linear, ConvNd)
-    types = (layer_types,) if isinstance(layer_types, type) else tuple(layer_types)
-    for layer_type in types:
-        if not (isinstance(layer_type, type) and issubclass(layer_type, nn.Module)):
-            raise TypeError(
-                "layer_types must be nn.Module subclasses, got "
-                f"{layer_type!r} in layer_types={layer_types!r}"
-            )
-    return types
-
-
 def _joined(prefix: str, name: str) -> str:
     return f"{prefix}.{name}" if prefix else name
 
@@ -599,7 +584,7 @@ def apply_weight_norm(
     """
     eps = _checks.non_negative("eps", eps)
     dim = _check_dim(dim)
-    types = _layer_types(layer_types)
+    types = _parametrize.layer_types(layer_types, (nn.Linear, ConvNd))
     _parametrize.check_module(model, "model")
     _parametrize.refuse_wrapped(model, _WHAT)
     steps: list[Step] = []

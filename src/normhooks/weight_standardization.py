@@ -351,21 +351,6 @@ def weight_standardization(
     return module
 
 
-def _layer_types(
-    layer_types: type[nn.Module] | Sequence[type[nn.Module]] | None,
-) -> tuple[type[nn.Module], ...]:
-    if layer_types is None:
-        return (ConvNd,)
-    types = (layer_types,) if isinstance(layer_types, type) else tuple(layer_types)
-    for layer_type in types:
-        if not (isinstance(layer_type, type) and issubclass(layer_type, nn.Module)):
-            raise TypeError(
-                "layer_types must be nn.Module subclasses, got "
-                f"{layer_type!r} in layer_types={layer_types!r}"
-            )
-    return types
-
-
 def apply_weight_standardization(
     model: nn.Module,
     *,
@@ -401,7 +386,7 @@ def apply_weight_standardization(
         'ParametrizedConv2d'
     """
     eps, scaled, gamma = _check_options(eps, scaled, gamma)
-    types = _layer_types(layer_types)
+    types = _parametrize.layer_types(layer_types, (ConvNd,))
     _parametrize.check_module(model, "model")
     _parametrize.refuse_wrapped(model, "weight standardization")
     steps = []
