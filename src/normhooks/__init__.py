@@ -1,5 +1,7 @@
-"""normhooks: GradientLARS, weight standardization and weight normalization for PyTorch."""
+"""normhooks: GradientLARS, adaptive gradient clipping, weight standardization and weight
+normalization for PyTorch."""
 
+from normhooks.agc import AdaptiveGradientClipping, agc_, agc_param_groups
 from normhooks.lars import GradientLARS, lars_, lars_param_groups
 from normhooks.weight_norm import (
     WeightNorm,
@@ -18,10 +20,13 @@ from normhooks.weight_standardization import (
 )
 
 __all__ = [
+    "AdaptiveGradientClipping",
     "GradientLARS",
     "ScaledWeightStandardization",
     "WeightNorm",
     "WeightStandardization",
+    "agc_",
+    "agc_param_groups",
     "apply_weight_standardization",
     "convert_with_weight_normalization",
     "data_dependent_init",
