@@ -142,7 +142,7 @@ def agc_unit_(
         if params[i].ndim < 2:
             factor_of[i], ratio_of[i] = factor.reshape(()), ratio.reshape(())
         else:
-            factor_of[i] = factor.reshape((-1,) + (1,) * (params[i].ndim - 1))
+            factor_of[i] = factor.view((factor.shape[0],) + (1,) * (params[i].ndim - 1))
             ratio_of[i] = ratio.amax() if ratio.numel() else ratio.new_zeros(())
     if sources is not grads:
         for grad, source, factor in zip(grads, sources, factor_of, strict=True):
