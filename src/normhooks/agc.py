@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.nn.utils.rnn import pad_sequence
 
 from normhooks import _checks
 from normhooks import _torch_compat as compat
@@ -134,16 +135,23 @@ def agc_unit_(
     ratios = g / bounded
     flat = [i for i, t in enumerate(params) if t.ndim < 2]
     rows = [i for i, t in enumerate(params) if t.ndim >= 2]
-    sizes = [1] * len(flat) + [params[i].shape[0] for i in rows]
     factor_of: list[Tensor] = [torch.empty(0)] * len(params)
     ratio_of: list[Tensor] = [torch.empty(0)] * len(params)
-    pieces = zip(torch.split(factors, sizes), torch.split(ratios, sizes), strict=True)
-    for i, (factor, ratio) in zip(flat + rows, pieces, strict=True):
-        if params[i].ndim < 2:
-            factor_of[i], ratio_of[i] = factor.reshape(()), ratio.reshape(())
-        else:
+    count = len(flat)
+    if flat:
+        for i, factor, ratio in zip(
+            flat, factors[:count].unbind(0), ratios[:count].unbind(0), strict=True
+        ):
+            factor_of[i], ratio_of[i] = factor, ratio
+    if rows:
+        sizes = [params[i].shape[0] for i in rows]
+        row_factors = torch.split(factors[count:], sizes)
+        # Ratios are >= 0: padding each parameter's rows with zeros, one max covers them all.
+        padded = pad_sequence(list(torch.split(ratios[count:], sizes)), batch_first=True)
+        row_maxima = padded.amax(1) if padded.shape[1] else padded.new_zeros(len(rows))
+        for i, factor, ratio in zip(rows, row_factors, row_maxima.unbind(0), strict=True):
             factor_of[i] = factor.view((factor.shape[0],) + (1,) * (params[i].ndim - 1))
-            ratio_of[i] = ratio.amax() if ratio.numel() else ratio.new_zeros(())
+            ratio_of[i] = ratio
     if sources is not grads:
         for grad, source, factor in zip(grads, sources, factor_of, strict=True):
             grad.copy_(source.mul_(factor))
