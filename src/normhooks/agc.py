@@ -61,7 +61,7 @@ def _check_rows_are_local(param: object, where: str) -> None:
         dim = getattr(placement, "dim", 0)
         if placement.is_shard() and dim != 0 and sharded.device_mesh.size(mesh_dim) > 1:
             raise ValueError(
-                f"{where} is a DTensor sharded on dim {dim} ({placement}); AGC's units are "
+                f"{where} is a DTensor sharded on dim {dim} ({placement!r}); AGC's units are "
                 "the rows along dim 0, whose norms are local only where a tensor is sharded "
                 "on dim 0 (FSDP2's Shard(0)). Shard it on dim 0 or opt its param group out "
                 'with "agc": False'
