@@ -47,25 +47,28 @@ def _check_settings(values: Mapping[str, object], prefix: str = "") -> AGCSettin
     )
 
 
-def _check_rows_are_local(param: object, where: str) -> None:
+def _check_rows_are_local(params: Iterable[object], where: Callable[[int], str]) -> None:
     """Refuses a DTensor whose rows are split across ranks: their norms would need a reduce.
 
     A Shard(0) tensor (FSDP2) holds whole rows, so its unit norms need no collective; 0-/1-D
     tensors are one unit, whose norm the base reduces.
     """
     dtensor = compat.dtensor_type()
-    if dtensor is None or not isinstance(param, dtensor) or param.ndim < 2:
+    if dtensor is None:
         return
-    sharded: Any = param
-    for mesh_dim, placement in enumerate(sharded.placements):
-        dim = getattr(placement, "dim", 0)
-        if placement.is_shard() and dim != 0 and sharded.device_mesh.size(mesh_dim) > 1:
-            raise ValueError(
-                f"{where} is a DTensor sharded on dim {dim} ({placement!r}); AGC's units are "
-                "the rows along dim 0, whose norms are local only where a tensor is sharded "
-                "on dim 0 (FSDP2's Shard(0)). Shard it on dim 0 or opt its param group out "
-                'with "agc": False'
-            )
+    for index, param in enumerate(params):
+        if not isinstance(param, dtensor) or param.ndim < 2:
+            continue
+        sharded: Any = param
+        for mesh_dim, placement in enumerate(sharded.placements):
+            dim = getattr(placement, "dim", 0)
+            if placement.is_shard() and dim != 0 and sharded.device_mesh.size(mesh_dim) > 1:
+                raise ValueError(
+                    f"{where(index)} is a DTensor sharded on dim {dim} ({placement!r}); AGC's "
+                    "units are the rows along dim 0, whose norms are local only where a tensor "
+                    "is sharded on dim 0 (FSDP2's Shard(0)). Shard it on dim 0 or opt its "
+                    'param group out with "agc": False'
+                )
 
 
 def _unit_norms(tensors: list[Tensor], whole: Tensor | None, foreach: bool | None) -> Tensor:
@@ -222,8 +225,7 @@ def agc_(
     settings = _check_settings({"clipping": clipping, "eps": eps})
     if isinstance(parameters, Iterable) and not isinstance(parameters, Tensor):
         parameters = list(parameters)
-        for index, param in enumerate(parameters):
-            _check_rows_are_local(param, f"parameters[{index}]")
+        _check_rows_are_local(parameters, "parameters[{}]".format)
     return apply_to_parameters_(parameters, settings, agc_unit_, technique="AGC", foreach=foreach)
 
 
@@ -370,8 +372,7 @@ class AdaptiveGradientClipping(GradientHook[AGCSettings]):
         )
 
     def _check_group(self, group: Mapping[str, Any], settings: AGCSettings) -> str | None:
-        for position, param in enumerate(group["params"]):
-            _check_rows_are_local(param, f"parameter {position}")
+        _check_rows_are_local(group["params"], "parameter {}".format)
         return None
 
     @property
