@@ -318,8 +318,9 @@ class AdaptiveGradientClipping(GradientHook[AGCSettings]):
     (the result is written unscaled and an inf/NaN gradient still skips the step; see
     :class:`~normhooks._grad_hook.GradientHook`). FSDP2 (``fully_shard``): the rows of a
     parameter sharded on dim 0 are all on one rank, so their norms need no communication;
-    0-/1-D parameters share the base's one all-reduce. DTensors sharded on another dim are
-    refused.
+    0-/1-D parameters take their whole norms from the base's one all-reduce per step.
+    DTensors sharded on another dim are refused; :attr:`last_ratios` of a Shard(0) parameter
+    are over the rows this rank holds.
 
     Args:
         clipping: :math:`\lambda`, the largest allowed ratio of gradient to weight norm.
