@@ -20,7 +20,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from normhooks import (
+    AdaptiveGradientClipping,
     GradientLARS,
+    agc_,
+    agc_param_groups,
     apply_weight_norm,
     data_dependent_init,
     lars_,
@@ -292,9 +295,9 @@ def fsdp_mesh_per_call(rank: int, world: int, out: Path) -> dict[str, Any]:
     original = dist.all_reduce
 
     def counted_step(step: int, optimizer: torch.optim.Optimizer, hook: GradientLARS) -> None:
-        calls = []
+        calls: list[int] = []
 
-        def counting(*args: Any, **kwargs: Any) -> Any:
+        def counting(*args: Any, calls: list[int] = calls, **kwargs: Any) -> Any:
             calls.append(1)
             return original(*args, **kwargs)
 
@@ -314,10 +317,112 @@ def fsdp_mesh_per_call(rank: int, world: int, out: Path) -> dict[str, Any]:
     }
 
 
+AGC_CLIPPING = 0.05
+
+
+def make_agc_model(seed: int = 0) -> nn.Module:
+    """Convs and linears with odd sizes (uneven shards) and a 1-row weight (none on rank 1).
+
+    agc_param_groups leaves the last Linear out, as NF-Nets do; everything else is clipped:
+    weights by rows, biases as one unit each.
+    """
+    torch.manual_seed(seed)
+    return nn.Sequential(
+        nn.Conv2d(3, 5, 3, padding=1),
+        nn.ReLU(),
+        nn.Conv2d(5, 3, 3),
+        nn.Flatten(),
+        nn.Linear(3 * 4 * 4, 7),
+        nn.Tanh(),
+        nn.Linear(7, 1),
+        nn.Tanh(),
+        nn.Linear(1, 1),
+    )
+
+
+def train_agc(
+    model: nn.Module,
+    groups: list[dict[str, Any]],
+    batches: list[tuple[torch.Tensor, torch.Tensor]],
+    shard: Callable[[torch.Tensor], torch.Tensor],
+    count_all_reduces: bool = False,
+) -> tuple[list[list[torch.Tensor]], list[int]]:
+    """STEPS of momentum SGD + AGC; the hook's ratios of every step, and the all-reduces
+    each step issued when ``count_all_reduces``."""
+    optimizer = torch.optim.SGD(groups, lr=LR, momentum=MOMENTUM)
+    hook = AdaptiveGradientClipping(clipping=AGC_CLIPPING)
+    hook.attach(optimizer)
+    ratios, all_reduces = [], []
+    original = dist.all_reduce
+    for x, y in batches:
+        optimizer.zero_grad()
+        F.mse_loss(model(shard(x)), shard(y)).backward()
+        calls: list[int] = []
+
+        def counting(*args: Any, calls: list[int] = calls, **kwargs: Any) -> Any:
+            calls.append(1)
+            return original(*args, **kwargs)
+
+        if count_all_reduces:
+            dist.all_reduce = counting  # type: ignore[assignment]
+        try:
+            optimizer.step()
+        finally:
+            dist.all_reduce = original
+        all_reduces.append(len(calls))
+        ratios.append([r.clone() for r in hook.last_ratios])
+    return ratios, all_reduces
+
+
+def fsdp_agc(rank: int, world: int, out: Path) -> dict[str, Any]:
+    """AGC on a fully_shard-ed model (every weight Shard(0)), and what it refuses."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+
+    def sharded() -> nn.Module:
+        model = make_agc_model()
+        for layer in model:
+            if any(True for _ in layer.parameters()):
+                fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        return model
+
+    _, batches = data()
+    model = sharded()
+    ratios, all_reduces = train_agc(
+        model, agc_param_groups(model), batches, lambda t: half(t, rank, world), True
+    )
+    # Only the weights, whose rows are local: AGC itself needs no collective for them.
+    weights_only = sharded()
+    groups = agc_param_groups(weights_only, exclude=lambda _, p: p.ndim < 2)
+    weight_ratios, weight_all_reduces = train_agc(
+        weights_only, groups, batches, lambda t: half(t, rank, world), True
+    )
+
+    torch.manual_seed(3)
+    by_columns = nn.Parameter(distribute_tensor(torch.randn(4, 6), mesh, [Shard(1)]))
+    by_columns.grad = distribute_tensor(torch.randn(4, 6), mesh, [Shard(1)])
+    hooked = torch.optim.SGD([by_columns], lr=0.1)
+    return {
+        "ratios": ratios,
+        "params": full_parameters(model),
+        "all_reduces": all_reduces,
+        "weight_ratios": weight_ratios,
+        "weight_params": full_parameters(weights_only),
+        "weight_all_reduces": weight_all_reduces,
+        "refused_shard1": refused(lambda: agc_([by_columns])),
+        "refused_shard1_hook": refused(lambda: AdaptiveGradientClipping().attach(hooked)),
+    }
+
+
 SCENARIOS: dict[str, Callable[[int, int, Path], dict[str, Any]]] = {
     "ddp": ddp,
     "fsdp": fsdp,
     "fsdp_mesh_per_call": fsdp_mesh_per_call,
+    "fsdp_agc": fsdp_agc,
 }
 
 

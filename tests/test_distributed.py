@@ -18,7 +18,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 import distributed_worker as worker
-from normhooks import GradientLARS, data_dependent_init, lars_param_groups
+from normhooks import GradientLARS, agc_param_groups, data_dependent_init, lars_param_groups
 
 pytestmark = pytest.mark.skipif(
     not (dist.is_available() and dist.is_gloo_available()),
@@ -221,3 +221,93 @@ def test_lars_with_a_mesh_per_fully_shard_call_matches_one_process(
         for got, expected in zip(rank["rates"], mlp_reference["rates"], strict=True):
             for got_group, expected_group in zip(got, expected, strict=True):
                 assert_close_relative(got_group, expected_group)
+
+
+# --- adaptive gradient clipping --------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def fsdp_agc(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    return spawn("fsdp_agc", tmp_path_factory.mktemp("fsdp_agc"))
+
+
+def agc_one_process(weights_only: bool) -> dict[str, Any]:
+    """worker.make_agc_model trained by one process on the full batches, as the ranks do."""
+    model = worker.make_agc_model()
+    _, batches = worker.data()
+    exclude = (lambda _, p: p.ndim < 2) if weights_only else None
+    ratios, _ = worker.train_agc(
+        model, agc_param_groups(model, exclude=exclude), batches, lambda t: t
+    )
+    return {"ratios": ratios, "params": worker.full_parameters(model)}
+
+
+@pytest.fixture(scope="module")
+def agc_reference() -> dict[str, Any]:
+    return agc_one_process(weights_only=False)
+
+
+@pytest.fixture(scope="module")
+def agc_weights_reference() -> dict[str, Any]:
+    return agc_one_process(weights_only=True)
+
+
+def test_agc_reference_clips_some_units_and_not_others(agc_reference: dict[str, Any]) -> None:
+    """The comparisons below need both branches to be taken."""
+    ratios = torch.cat([torch.cat(step) for step in agc_reference["ratios"]])
+    assert (ratios > worker.AGC_CLIPPING).any()
+    assert (ratios < worker.AGC_CLIPPING).any()
+
+
+@pytest.mark.parametrize("weights_only", [False, True], ids=["all", "weights-only"])
+def test_agc_under_fsdp2_matches_one_process(
+    weights_only: bool,
+    fsdp_agc: list[dict[str, Any]],
+    agc_reference: dict[str, Any],
+    agc_weights_reference: dict[str, Any],
+) -> None:
+    key = "weight_params" if weights_only else "params"
+    expected = agc_weights_reference if weights_only else agc_reference
+    for rank in fsdp_agc:
+        assert_same_tensors(rank[key], expected["params"])
+
+
+@pytest.mark.parametrize("weights_only", [False, True], ids=["all", "weights-only"])
+def test_agc_ratios_under_fsdp2_are_the_largest_over_the_rows_each_rank_holds(
+    weights_only: bool,
+    fsdp_agc: list[dict[str, Any]],
+    agc_reference: dict[str, Any],
+    agc_weights_reference: dict[str, Any],
+) -> None:
+    """0-/1-D units are whole on every rank; a Shard(0) weight's value is its rank's rows',
+    so the largest over ranks is the one-process value."""
+    key = "weight_ratios" if weights_only else "ratios"
+    expected = agc_weights_reference if weights_only else agc_reference
+    for step, expected_step in enumerate(expected["ratios"]):
+        for group, expected_group in enumerate(expected_step):
+            per_rank = torch.stack([rank[key][step][group] for rank in fsdp_agc])
+            assert_close_relative(per_rank.amax(0), expected_group)
+
+
+def test_agc_under_fsdp2_communicates_only_through_the_base(
+    fsdp_agc: list[dict[str, Any]],
+) -> None:
+    """One all-reduce a step: the base's, of every sharded unit's whole-tensor norms, which
+    AGC reads for the biases only. Shard(0) rows are local, but the base reduces the weights'
+    whole norms too (AGC cannot tell it not to), so the weights-only run issues one as well."""
+    for rank in fsdp_agc:
+        assert rank["all_reduces"] == [1] * worker.STEPS
+        assert rank["weight_all_reduces"] == [1] * worker.STEPS
+
+
+@pytest.mark.parametrize(
+    ("key", "where"),
+    [("refused_shard1", "parameters[0]"), ("refused_shard1_hook", "param group 0: parameter 0")],
+    ids=["functional", "hook"],
+)
+def test_agc_refuses_dtensors_sharded_on_another_dim(
+    key: str, where: str, fsdp_agc: list[dict[str, Any]]
+) -> None:
+    message = fsdp_agc[0][key]
+    assert message.startswith(f"{where} is a DTensor sharded on dim 1 (Shard(dim=1)); AGC's")
+    assert 'opt its param group out with "agc": False' in message

@@ -29,8 +29,6 @@ EXAMPLES = [
 # ::: blocks and removes them from here, and test_pending_names_are_not_documented_yet says
 # when that is due.
 PENDING = {
-    "AdaptiveGradientClipping",
-    "agc_",
     "TrustRatio",
 }
 

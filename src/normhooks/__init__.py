@@ -1,5 +1,7 @@
-"""normhooks: GradientLARS, weight standardization and weight normalization for PyTorch."""
+"""normhooks: GradientLARS, adaptive gradient clipping, weight standardization and weight
+normalization for PyTorch."""
 
+from normhooks.agc import AdaptiveGradientClipping, agc_, agc_param_groups
 from normhooks.data_dependent_init import data_dependent_init
 from normhooks.lars import GradientLARS, lars_, lars_param_groups
 from normhooks.weight_norm import (
@@ -19,10 +21,13 @@ from normhooks.weight_standardization import (
 )
 
 __all__ = [
+    "AdaptiveGradientClipping",
     "GradientLARS",
     "ScaledWeightStandardization",
     "WeightNorm",
     "WeightStandardization",
+    "agc_",
+    "agc_param_groups",
     "apply_weight_norm",
     "apply_weight_standardization",
     "convert_with_weight_normalization",

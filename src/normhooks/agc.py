@@ -1,0 +1,394 @@
+r"""Adaptive gradient clipping (AGC) as a hook for any PyTorch optimizer.
+
+Implements the unit-wise clipping of A. Brock, S. De, S. L. Smith and K. Simonyan,
+"High-Performance Large-Scale Image Recognition Without Normalization", arXiv:2102.06171
+(2021), section 4.1, with the paper's defaults and timm's and optax's unit rule: a unit is a
+row along dim 0 of a tensor with at least two dimensions, the whole tensor otherwise.
+
+The maths are a pure function (:func:`agc_unit_`); :class:`AdaptiveGradientClipping` puts it
+on :class:`~normhooks._grad_hook.GradientHook`, which attaches to any optimizer and handles
+closures, AMP and sharded parameters.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.nn.utils.rnn import pad_sequence
+
+from normhooks import _checks
+from normhooks import _torch_compat as compat
+from normhooks._grad_hook import (
+    GradientHook,
+    apply_to_parameters_,
+    euclidean_norms,
+    inverse_scale,
+    unscale_and_check_,
+)
+from normhooks._precision import HALF_DTYPES, compute_dtype
+
+__all__ = ["AdaptiveGradientClipping", "agc_", "agc_param_groups"]
+
+
+@dataclass(frozen=True)
+class AGCSettings:
+    clipping: float
+    eps: float
+
+
+def _check_settings(values: Mapping[str, object], prefix: str = "") -> AGCSettings:
+    return AGCSettings(
+        clipping=_checks.positive(prefix + "clipping", values["clipping"]),
+        eps=_checks.positive(prefix + "eps", values["eps"]),
+    )
+
+
+def _check_rows_are_local(params: Iterable[object], where: Callable[[int], str]) -> None:
+    """Refuses a DTensor whose rows are split across ranks: their norms would need a reduce.
+
+    A Shard(0) tensor (FSDP2) holds whole rows, so its unit norms need no collective; 0-/1-D
+    tensors are one unit, whose norm the base reduces.
+    """
+    dtensor = compat.dtensor_type()
+    if dtensor is None:
+        return
+    for index, param in enumerate(params):
+        if not isinstance(param, dtensor) or param.ndim < 2:
+            continue
+        sharded: Any = param
+        for mesh_dim, placement in enumerate(sharded.placements):
+            dim = getattr(placement, "dim", 0)
+            if placement.is_shard() and dim != 0 and sharded.device_mesh.size(mesh_dim) > 1:
+                raise ValueError(
+                    f"{where(index)} is a DTensor sharded on dim {dim} ({placement!r}); AGC's "
+                    "units are the rows along dim 0, whose norms are local only where a tensor "
+                    "is sharded on dim 0 (FSDP2's Shard(0)). Shard it on dim 0 or opt its "
+                    'param group out with "agc": False'
+                )
+
+
+def _unit_norms(tensors: list[Tensor], whole: Tensor | None, foreach: bool | None) -> Tensor:
+    """The norm of every unit, in the compute dtype: first the 0-/1-D tensors, then the rows.
+
+    ``whole`` holds the full tensors' norms (for shards); only the 0-/1-D ones are read.
+    """
+    flat = [i for i, t in enumerate(tensors) if t.ndim < 2]
+    parts = []
+    if flat:
+        if whole is None:
+            parts.append(euclidean_norms([tensors[i] for i in flat], foreach))
+        else:
+            # Picked by unbind, not whole[flat]: a list index is copied to the device.
+            chosen = whole.unbind(0)
+            parts.append(
+                whole if len(flat) == len(tensors) else torch.stack([chosen[i] for i in flat])
+            )
+    for t in tensors:
+        if t.ndim >= 2:
+            dims = tuple(range(1, t.ndim))
+            parts.append(torch.linalg.vector_norm(t, dim=dims, dtype=compute_dtype(t.dtype)))
+    return torch.cat(parts) if len(parts) > 1 else parts[0]
+
+
+def agc_unit_(
+    params: list[Tensor],
+    grads: list[Tensor],
+    settings: AGCSettings,
+    lr: float | Tensor | None,
+    grad_scale: Tensor | None,
+    found_inf: Tensor | None,
+    *,
+    norms: tuple[Tensor, Tensor] | None = None,
+    foreach: bool | None = None,
+) -> Tensor:
+    """AGC on one unit (one device, dtype and sharding); returns each parameter's largest
+    ratio :math:`\\|G_i\\| / \\max(\\|W_i\\|, \\epsilon)`, in order.
+
+    Scaled gradients (a fused optimizer under GradScaler) are unscaled first; float16/bfloat16
+    ones in float32, rounded once at the end. AGC only shrinks values, so checking the inputs
+    for inf/NaN checks the result. ``norms`` (shards) supply the 0-/1-D tensors' full norms;
+    the rows of a tensor sharded on dim 0 are all local.
+    """
+    device, half = grads[0].device, grads[0].dtype in HALF_DTYPES
+    inv_scale = None if grad_scale is None else inverse_scale(grad_scale, device)
+    sources = grads
+    if found_inf is not None or inv_scale is not None:
+        flag = torch.zeros((), device=device) if found_inf is None else found_inf
+        one = torch.ones((), device=device)
+        if half and inv_scale is not None:
+            unscale_and_check_(grads, flag, one, foreach)
+            sources = [g.float().mul_(inv_scale) for g in grads]
+        else:
+            # GradScaler.unscale_'s own op: the numbers a non-fused optimizer would see.
+            unscale_and_check_(grads, flag, one if inv_scale is None else inv_scale, foreach)
+    whole_g = None if norms is None else norms[1]
+    if whole_g is not None and inv_scale is not None:
+        whole_g = whole_g * inv_scale.to(whole_g.dtype)
+    w = _unit_norms(params, None if norms is None else norms[0], foreach)
+    g = _unit_norms(sources, whole_g, foreach)
+    bounded = w.clamp(min=settings.eps)
+    max_norm = bounded * settings.clipping
+    # A branch on the tensor values would be a host sync; where() divides only where
+    # ||G|| > max_norm > 0, so zero gradients stay zero and nothing divides by zero.
+    factors = torch.where(g > max_norm, max_norm / g, torch.ones_like(g))
+    ratios = g / bounded
+    flat = [i for i, t in enumerate(params) if t.ndim < 2]
+    rows = [i for i, t in enumerate(params) if t.ndim >= 2]
+    factor_of: list[Tensor] = [torch.empty(0)] * len(params)
+    ratio_of: list[Tensor] = [torch.empty(0)] * len(params)
+    count = len(flat)
+    if flat:
+        for i, factor, ratio in zip(
+            flat, factors[:count].unbind(0), ratios[:count].unbind(0), strict=True
+        ):
+            factor_of[i], ratio_of[i] = factor, ratio
+    if rows:
+        sizes = [params[i].shape[0] for i in rows]
+        row_factors = torch.split(factors[count:], sizes)
+        # Ratios are >= 0: padding each parameter's rows with zeros, one max covers them all.
+        padded = pad_sequence(list(torch.split(ratios[count:], sizes)), batch_first=True)
+        row_maxima = padded.amax(1) if padded.shape[1] else padded.new_zeros(len(rows))
+        for i, factor, ratio in zip(rows, row_factors, row_maxima.unbind(0), strict=True):
+            factor_of[i] = factor.view((factor.shape[0],) + (1,) * (params[i].ndim - 1))
+            ratio_of[i] = ratio
+    if sources is not grads:
+        for grad, source, factor in zip(grads, sources, factor_of, strict=True):
+            grad.copy_(source.mul_(factor))
+    elif foreach is False or half:
+        # In place on float16/bfloat16 with a float32 factor: computed in float32, rounded once.
+        for grad, factor in zip(grads, factor_of, strict=True):
+            grad.mul_(factor)
+    else:
+        compat.foreach_mul_(grads, factor_of)
+    return torch.stack(ratio_of)
+
+
+def agc_(
+    parameters: Tensor | Iterable[Tensor],
+    clipping: float = 0.01,
+    eps: float = 1e-3,
+    *,
+    foreach: bool | None = None,
+) -> Tensor:
+    r"""Clips every parameter's ``.grad`` in place, unit by unit, relative to its weight.
+
+    For each unit :math:`i` of a parameter :math:`W` with gradient :math:`G` (a row along
+    dim 0 when :math:`W` has at least two dimensions: an output unit of ``nn.Linear`` and
+    ``nn.ConvNd``; the whole tensor for 0-/1-D parameters):
+
+    .. math::
+
+        G_i \leftarrow \begin{cases}
+            \lambda \frac{\max(\|W_i\|, \epsilon)}{\|G_i\|} G_i
+                & \frac{\|G_i\|}{\max(\|W_i\|, \epsilon)} > \lambda \\
+            G_i & \text{otherwise}
+        \end{cases}
+
+    with :math:`\lambda` = ``clipping``. This is timm's ``adaptive_clip_grad`` and optax's
+    ``adaptive_grad_clip``: zero weights count as :math:`\epsilon`, zero gradients are left
+    alone. (Both divide by :math:`\max(\|G_i\|, 10^{-6})`, which differs from the formula
+    only where :math:`\lambda\epsilon < 10^{-6}`; here the division only happens where
+    :math:`\|G_i\| > \lambda \max(\|W_i\|, \epsilon) > 0`, so no floor is needed.) Dim 0 is
+    the input axis of ``nn.ConvTranspose`` weights, as in timm. Norms are per device and dtype,
+    float16/bfloat16 computed in float32 and rounded once; nothing is read back to the host.
+
+    Args:
+        parameters: a tensor or an iterable of tensors; those without ``.grad`` are skipped.
+        clipping: :math:`\lambda`, the largest allowed ratio of gradient to weight norm.
+        eps: :math:`\epsilon`, the smallest weight norm a unit is given, so that zero-initialized
+            weights can still move.
+        foreach: True forces multi-tensor ops, False one tensor at a time, None picks.
+
+    Returns:
+        A 1-D tensor with, for each parameter that has a gradient, the largest ratio
+        :math:`\|G_i\| / \max(\|W_i\|, \epsilon)` over its units before clipping (the
+        parameter was clipped where it exceeds ``clipping``). For a DTensor sharded on dim 0
+        it is the largest over the rows this process holds (0 if none).
+
+    References:
+        Brock, De, Smith and Simonyan, High-Performance Large-Scale Image Recognition Without
+        Normalization, arXiv:2102.06171.
+
+    Example:
+        >>> w = torch.nn.Parameter(torch.tensor([[3.0, 4.0], [0.0, 0.0]]))
+        >>> w.grad = torch.tensor([[3.0, 4.0], [0.0, 0.5]])
+        >>> agc_(w, clipping=0.1, eps=1.0)
+        tensor([1.])
+        >>> w.grad
+        tensor([[0.3000, 0.4000],
+                [0.0000, 0.1000]])
+    """
+    settings = _check_settings({"clipping": clipping, "eps": eps})
+    if isinstance(parameters, Iterable) and not isinstance(parameters, Tensor):
+        parameters = list(parameters)
+        _check_rows_are_local(parameters, "parameters[{}]".format)
+    return apply_to_parameters_(parameters, settings, agc_unit_, technique="AGC", foreach=foreach)
+
+
+def agc_param_groups(
+    model: nn.Module, *, exclude: str | Callable[[str, nn.Parameter], bool] | None = None
+) -> list[dict[str, Any]]:
+    """Splits a model's parameters into an AGC group and a group the hook leaves alone.
+
+    By default the weight and bias of the model's last ``nn.Linear`` (in the order of
+    ``model.modules()``, the order layers were registered in: the classifier of torchvision's
+    and timm's models) go into a group with ``"agc": False``, since NF-Nets do not clip the
+    final linear layer (Brock et al. 2021, section 4.1). Empty groups are left out.
+
+    Args:
+        model: the module whose parameters to split.
+        exclude: the name of the submodule to leave alone (``"head"``), or a predicate
+            ``(name, param) -> bool`` that returns True for the parameters to leave alone.
+
+    Returns:
+        A list of param group dicts for any ``torch.optim`` optimizer.
+
+    Example:
+        >>> model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.Flatten(),
+        ...                             torch.nn.LazyLinear(10))
+        >>> [(len(g["params"]), g.get("agc", True)) for g in agc_param_groups(model)]
+        [(2, True), (2, False)]
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    left_out: set[int] = set()
+    if exclude is None:
+        linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
+        if not linears:
+            raise ValueError(
+                "model has no nn.Linear, so there is no final linear layer to leave unclipped; "
+                "name the classifier with exclude='<module name>' or pass a predicate"
+            )
+        left_out = {id(p) for p in linears[-1].parameters()}
+    elif isinstance(exclude, str):
+        try:
+            module = model.get_submodule(exclude)
+        except AttributeError:
+            names = [name for name, _ in model.named_children()]
+            raise ValueError(
+                f"exclude={exclude!r} names no submodule of the model; its children are {names}"
+            ) from None
+        left_out = {id(p) for p in module.parameters()}
+    elif not callable(exclude):
+        raise TypeError(
+            "exclude must be a module name, a callable (name, param) -> bool or None, "
+            f"got {type(exclude).__name__}"
+        )
+    clipped: list[nn.Parameter] = []
+    skipped: list[nn.Parameter] = []
+    for name, param in model.named_parameters():
+        leave_alone = exclude(name, param) if callable(exclude) else id(param) in left_out
+        if not isinstance(leave_alone, bool):
+            kind = type(leave_alone)
+            raise TypeError(
+                f"exclude must return a bool, got {kind.__module__}.{kind.__qualname__} for "
+                f"parameter {name!r}"
+            )
+        (skipped if leave_alone else clipped).append(param)
+    groups: list[dict[str, Any]] = []
+    if clipped:
+        groups.append({"params": clipped})
+    if skipped:
+        groups.append({"params": skipped, "agc": False})
+    return groups
+
+
+class AdaptiveGradientClipping(GradientHook[AGCSettings]):
+    r"""Adaptive gradient clipping as a step pre-hook for any PyTorch optimizer.
+
+    Before every ``optimizer.step()``, each parameter's gradient is clipped in place unit by
+    unit, as in :func:`agc_`:
+
+    .. math::
+
+        G_i \leftarrow \min\left(1, \frac{\lambda \max(\|W_i\|, \epsilon)}{\|G_i\|}\right) G_i.
+
+    Param groups can opt out (``"agc": False``; :func:`agc_param_groups` puts the final
+    linear layer there, as NF-Nets do) or override a setting with ``"agc_clipping"`` or
+    ``"agc_eps"``. The largest ratio :math:`\|G_i\| / \max(\|W_i\|, \epsilon)` of each
+    parameter in the last step is in :attr:`last_ratios`, one 1-D tensor per param group
+    (empty for a group the hook skips), left on the parameters' device. One
+    AdaptiveGradientClipping per optimizer: attaching a second is refused.
+
+    ``step(closure)`` works, and so does :class:`torch.amp.GradScaler` with fused optimizers
+    (the result is written unscaled and an inf/NaN gradient still skips the step; see
+    :class:`~normhooks._grad_hook.GradientHook`). FSDP2 (``fully_shard``): the rows of a
+    parameter sharded on dim 0 are all on one rank, so their norms need no communication;
+    0-/1-D parameters take their whole norms from the base's one all-reduce per step.
+    DTensors sharded on another dim are refused; :attr:`last_ratios` of a Shard(0) parameter
+    are over the rows this rank holds.
+
+    Args:
+        clipping: :math:`\lambda`, the largest allowed ratio of gradient to weight norm.
+        eps: :math:`\epsilon`, the smallest weight norm a unit is given.
+        foreach: as in :func:`agc_`.
+
+    References:
+        Brock, De, Smith and Simonyan, High-Performance Large-Scale Image Recognition Without
+        Normalization, arXiv:2102.06171.
+
+    Example:
+        >>> model = torch.nn.Sequential(torch.nn.Linear(3, 8), torch.nn.ReLU(),
+        ...                             torch.nn.Linear(8, 2))
+        >>> optimizer = torch.optim.SGD(agc_param_groups(model), lr=0.1, momentum=0.9)
+        >>> hook = AdaptiveGradientClipping(clipping=0.01)
+        >>> handle = hook.attach(optimizer)
+        >>> model(torch.ones(4, 3)).sum().backward()
+        >>> optimizer.step()
+        >>> [tuple(r.shape) for r in hook.last_ratios]  # 2 clipped, the classifier's 2 not
+        [(2,), (0,)]
+        >>> handle.remove()
+    """
+
+    prefix = "agc"
+    technique = "AGC"
+
+    def __init__(
+        self, clipping: float = 0.01, eps: float = 1e-3, *, foreach: bool | None = None
+    ) -> None:
+        super().__init__(_check_settings({"clipping": clipping, "eps": eps}), foreach=foreach)
+
+    @classmethod
+    def _check_settings(cls, values: Mapping[str, object], prefix: str) -> AGCSettings:
+        return _check_settings(values, prefix)
+
+    def _unit_(
+        self,
+        params: list[Tensor],
+        grads: list[Tensor],
+        settings: AGCSettings,
+        lr: float | Tensor | None,
+        grad_scale: Tensor | None,
+        found_inf: Tensor | None,
+        *,
+        norms: tuple[Tensor, Tensor] | None = None,
+        foreach: bool | None = None,
+    ) -> Tensor:
+        return agc_unit_(
+            params, grads, settings, lr, grad_scale, found_inf, norms=norms, foreach=foreach
+        )
+
+    def _check_group(self, group: Mapping[str, Any], settings: AGCSettings) -> str | None:
+        _check_rows_are_local(group["params"], "parameter {}".format)
+        return None
+
+    @property
+    def last_ratios(self) -> list[Tensor]:
+        """Each parameter's largest ratio of the last step: a 1-D tensor per param group."""
+        return self._last_values
+
+    @property
+    def clipping(self) -> float:
+        return self._settings.clipping
+
+    @property
+    def eps(self) -> float:
+        return self._settings.eps
+
+    def __repr__(self) -> str:
+        s = self._settings
+        return f"AdaptiveGradientClipping(clipping={s.clipping}, eps={s.eps})"
