@@ -37,6 +37,7 @@ test: lint typecheck docs pytest
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/lars.py
+	$(BIN)/python benchmarks/agc.py
 	$(BIN)/python benchmarks/ws.py
 	$(BIN)/python benchmarks/wn.py
 
