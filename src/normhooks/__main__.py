@@ -24,7 +24,7 @@ def _parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentPars
         prog=cli.PROG,
         help="train small CNNs over several seeds to test each paper's claims",
         description="Tests the claims of the LARS, weight standardization and weight "
-        "normalization papers on bundled data (scikit-learn's digits, distorted) in a few "
+        "normalization papers on bundled data (scikit-learn's digits) in a few "
         "minutes on a CPU: every configuration over several seeds, a table of means with 95 % "
         "intervals, one verdict per claim (reproduced, contradicted or inconclusive, from the "
         "interval of the paired difference), and results.json plus one PNG of curves per "

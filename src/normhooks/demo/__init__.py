@@ -1,8 +1,8 @@
 """``normhooks demo``: the three papers' claims, measured over seeds on bundled data.
 
-The command trains small CNNs on a harder variant of scikit-learn's bundled digits (each
-image warped by a fixed random affine map and noised; or the plain digits, or a ``.npz``
-file) to compare, side by side:
+The command trains small CNNs on scikit-learn's bundled digits (or ``digits-hard``, the
+same images each warped by a fixed random affine map and noised, or a ``.npz`` file) to
+compare, side by side:
 
 1. SGD at a small and a large batch, and at the large batch with
    :class:`~normhooks.GradientLARS` (You et al. 2017);

@@ -22,7 +22,7 @@ import torch
 
 from normhooks.demo.data import Dataset
 from normhooks.demo.experiments import EXPERIMENTS, Experiment, ExperimentResult
-from normhooks.demo.training import RunResult, train
+from normhooks.demo.training import RunResult, train, warm_up
 
 __all__ = ["GPU_WORKERS", "Job", "default_workers", "deterministic", "jobs_for", "run"]
 
@@ -98,6 +98,7 @@ def _start_worker(dataset: Dataset, device: str, threads: int) -> None:
     torch.set_num_threads(threads)
     _WORKER["dataset"] = dataset.to(torch.device(device))
     _WORKER["experiments"] = {}
+    warm_up()
 
 
 def _experiment(cache: dict[str, Experiment], key: str) -> Experiment:
@@ -167,6 +168,7 @@ def run(
 
     if workers == 1:
         local = dataset.to(device)
+        warm_up()
         with deterministic(threads):
             for job in order:
                 record(job, _measure(job, local, dict(by_key)))
