@@ -50,8 +50,8 @@ Metric = Literal["test_accuracy", "final_train_loss", "early_train_loss"]
 # "Faster early convergence" is measured as the mean training loss over the first
 # EARLY_EPOCHS epochs, the first half of the weight norm experiment: the area under the
 # step-by-step loss curve, divided by its length. It includes the first epoch, where the
-# data-dependent init starts higher (it gives the logits unit variance), so it does not
-# favour the claim.
+# data-dependent init can start higher than the plain network (it gives the logits unit
+# variance; on digits-hard it does), so it does not favour the claim.
 EARLY_EPOCHS = 4
 
 METRICS: dict[Metric, str] = {
