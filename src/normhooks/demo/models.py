@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from typing import Literal
 
-from torch import nn
+from torch import Tensor, nn
 
-__all__ = ["GROUPS", "WIDTHS", "Norm", "small_cnn"]
+__all__ = ["GROUPS", "WIDTHS", "GlobalAveragePool", "Norm", "small_cnn"]
 
 Norm = Literal["batch", "group", "none"]
 
@@ -56,5 +56,16 @@ def small_cnn(in_channels: int, num_classes: int, norm: Norm) -> nn.Sequential:
             nn.ReLU(),
         ]
         channels = width
-    layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(channels, num_classes)]
+    layers += [GlobalAveragePool(), nn.Linear(channels, num_classes)]
     return nn.Sequential(*layers)
+
+
+class GlobalAveragePool(nn.Module):
+    """``[N, C, H, W] -> [N, C]``, the mean over each channel's positions.
+
+    A plain mean rather than ``nn.AdaptiveAvgPool2d``, whose CUDA backward has no
+    deterministic implementation (it would fail under ``torch.use_deterministic_algorithms``).
+    """
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x.mean(dim=(2, 3))

@@ -20,6 +20,7 @@ __all__ = [
     "Progress",
     "RunResult",
     "evaluate",
+    "lr_factor",
     "train",
     "warm_up",
 ]
@@ -27,6 +28,8 @@ __all__ = [
 # Samples handed to a data-dependent initialization: Salimans & Kingma use one minibatch.
 INIT_BATCH = 256
 _EVAL_BATCH = 1024
+# Seeds the data-dependent initialization's batch apart from the batch order.
+_INIT_SEED_OFFSET = 1_000_003
 
 Schedule = Literal["constant", "poly2"]
 
@@ -52,7 +55,11 @@ class Configuration:
         build_model: ``(in_channels, num_classes) -> model``.
         build_optimizer: ``model -> optimizer``, with any hook already attached.
         schedule: ``"constant"``, or ``"poly2"``: the learning rate decays per step as
-            ``(1 - step / total_steps) ** 2`` (You et al. 2017's polynomial policy).
+            ``(1 - step / total_steps) ** 2`` (You et al. 2017's polynomial policy), after
+            the warm-up if there is one (see :func:`lr_factor`).
+        warmup_epochs: epochs over which the learning rate first rises linearly from
+            ``1 / warmup_steps`` of its value to all of it (Goyal et al. 2017's gradual
+            warm-up, which You et al. use at large batch); 0 for none.
         initialize: ``(model, batch) -> None``, run once on ``INIT_BATCH`` training samples
             before training, or None.
         settings: the recipe's numbers, copied into ``results.json``.
@@ -64,6 +71,7 @@ class Configuration:
     build_model: Callable[[int, int], nn.Module]
     build_optimizer: Callable[[nn.Module], torch.optim.Optimizer]
     schedule: Schedule = "constant"
+    warmup_epochs: int = 0
     initialize: Callable[[nn.Module, Tensor], object] | None = None
     settings: Mapping[str, object] = field(default_factory=dict)
 
@@ -133,7 +141,7 @@ def train(
     *,
     epochs: int,
     seed: int,
-    progress: Callable[[int], Progress],
+    progress: Callable[[int], Progress] | None = None,
 ) -> RunResult:
     """Trains ``configuration`` on ``data`` (already on its device) for ``epochs`` epochs.
 
@@ -145,9 +153,11 @@ def train(
         configuration: what to train.
         data: the split, on the device to train on.
         epochs: passes over the training set.
-        seed: seeds the initialization and the batch order.
+        seed: seeds the initialization, the batch order and the data-dependent
+            initialization's batch (each from its own generator, so configurations that
+            differ only there still see the same batches).
         progress: ``total_steps -> progress bar``; called once, updated every step, closed at
-            the end.
+            the end; None for no progress display.
     """
     device = data.train_x.device
     samples = len(data.train_y)
@@ -159,19 +169,24 @@ def train(
     test_accuracy: list[float] = []
     diverged = False
     start = time.perf_counter()
-    bar = progress(total_steps)
+    warmup_steps = min(configuration.warmup_epochs * steps_per_epoch, total_steps)
+    bar = progress(total_steps) if progress is not None else _Silent()
     try:
         with torch.random.fork_rng(devices=_rng_devices(device)):
             torch.manual_seed(seed)
             order = torch.Generator().manual_seed(seed)
             model = configuration.build_model(data.channels, data.num_classes).to(device)
             if configuration.initialize is not None:
-                batch = torch.randperm(samples, generator=order)[:INIT_BATCH].to(device)
+                init_order = torch.Generator().manual_seed(seed + _INIT_SEED_OFFSET)
+                batch = torch.randperm(samples, generator=init_order)[:INIT_BATCH].to(device)
                 configuration.initialize(model, data.train_x[batch])
             optimizer = configuration.build_optimizer(model)
-            scheduler = torch.optim.lr_scheduler.LambdaLR(
-                optimizer, _schedule(configuration.schedule, total_steps)
-            )
+            schedule = configuration.schedule
+
+            def factor(step: int) -> float:
+                return lr_factor(schedule, step, total_steps=total_steps, warmup=warmup_steps)
+
+            scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
             for _ in range(epochs):
                 permutation = torch.randperm(samples, generator=order).to(device)
                 batches = permutation[: steps_per_epoch * batch_size].view(steps_per_epoch, -1)
@@ -223,7 +238,33 @@ def _epoch(
     return total.item() / len(batches)
 
 
-def _schedule(schedule: Schedule, total_steps: int) -> Callable[[int], float]:
+def lr_factor(schedule: Schedule, step: int, *, total_steps: int, warmup: int = 0) -> float:
+    """The learning rate of step ``step`` (from 0) as a fraction of the configured one.
+
+    The first ``warmup`` steps rise linearly, ``(step + 1) / warmup``; after them, ``"poly2"``
+    decays as ``(1 - (step - warmup) / (total_steps - warmup)) ** 2`` and ``"constant"``
+    stays at 1.
+
+    Example:
+        >>> [lr_factor("poly2", s, total_steps=6, warmup=2) for s in range(6)]
+        [0.5, 1.0, 1.0, 0.5625, 0.25, 0.0625]
+    """
+    if step < warmup:
+        return (step + 1) / warmup
     if schedule == "constant":
-        return lambda step: 1.0
-    return lambda step: (1.0 - min(step, total_steps) / total_steps) ** 2
+        return 1.0
+    decay_steps = max(total_steps - warmup, 1)
+    return (1.0 - min(step - warmup, decay_steps) / decay_steps) ** 2
+
+
+class _Silent:
+    """A progress display that shows nothing."""
+
+    def update(self, n: int = 1) -> object:
+        return None
+
+    def set_postfix_str(self, s: str = "", refresh: bool = True) -> None:
+        return None
+
+    def close(self) -> None:
+        return None
