@@ -8,7 +8,7 @@ compare, side by side:
    :class:`~normhooks.GradientLARS` (You et al. 2017);
 2. BatchNorm at a normal batch and at batch 2, GroupNorm and GroupNorm + weight
    standardization at batch 2 (Qiao et al. 2019);
-3. a plain network, :func:`~normhooks.weight_norm` with
+3. a plain network, :func:`~normhooks.apply_weight_norm` with
    :func:`~normhooks.data_dependent_init`, and weight norm alone (Salimans & Kingma 2016).
 
 Every configuration runs over several seeds, in parallel processes. The command prints the

@@ -21,10 +21,10 @@ from torch import Tensor, nn
 
 from normhooks import (
     GradientLARS,
+    apply_weight_norm,
     apply_weight_standardization,
     data_dependent_init,
     lars_param_groups,
-    weight_norm,
 )
 from normhooks.demo.models import Norm, small_cnn
 from normhooks.demo.stats import Direction, Interval, Outcome, interval, paired_interval, verdict
@@ -415,7 +415,7 @@ WN_EPOCHS = 8
 
 
 def _weight_norm_model(in_channels: int, num_classes: int) -> nn.Module:
-    return weight_norm(small_cnn(in_channels, num_classes, "none"))
+    return apply_weight_norm(small_cnn(in_channels, num_classes, "none"))
 
 
 def _data_dependent_init(model: nn.Module, batch: Tensor) -> None:
@@ -432,7 +432,8 @@ def weight_normalization() -> Experiment:
 
     Recipe: the CNN without normalization layers, Adam with learning rate 3e-3 at batch 100
     (the paper's CIFAR-10 settings), constant learning rate, ``WN_EPOCHS`` = 8 epochs. Weight
-    norm reparametrizes every convolution and the linear layer (:func:`~normhooks.weight_norm`);
+    norm reparametrizes every convolution and the linear layer
+    (:func:`~normhooks.apply_weight_norm`);
     the data-dependent initialization (:func:`~normhooks.data_dependent_init`, the paper's
     section 3, which its networks use) runs on ``INIT_BATCH`` training images before the
     first step. Weight norm without it is an extra row.
