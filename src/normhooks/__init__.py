@@ -1,6 +1,7 @@
 """normhooks: GradientLARS, weight standardization and weight normalization for PyTorch."""
 
 from normhooks.lars import GradientLARS, lars_, lars_param_groups
+from normhooks.trust_ratio import TrustRatio
 from normhooks.weight_norm import (
     WeightNorm,
     convert_with_weight_normalization,
@@ -20,6 +21,7 @@ from normhooks.weight_standardization import (
 __all__ = [
     "GradientLARS",
     "ScaledWeightStandardization",
+    "TrustRatio",
     "WeightNorm",
     "WeightStandardization",
     "apply_weight_standardization",
