@@ -21,6 +21,7 @@ from torch import nn
 
 from normhooks import (
     GradientLARS,
+    TrustRatio,
     data_dependent_init,
     lars_,
     lars_param_groups,
@@ -35,6 +36,7 @@ INIT_BATCH = 16
 LR = 0.1
 MOMENTUM = 0.9
 WEIGHT_DECAY = 1e-3
+ADAMW_LR = 1e-2
 
 
 def make_model(seed: int = 0) -> nn.Module:
@@ -313,10 +315,54 @@ def fsdp_mesh_per_call(rank: int, world: int, out: Path) -> dict[str, Any]:
     }
 
 
+def train_trust_ratio(
+    model: nn.Module,
+    batches: list[tuple[torch.Tensor, torch.Tensor]],
+    shard: Callable[[torch.Tensor], torch.Tensor],
+    count: Callable[[Callable[[], object]], int] | None = None,
+) -> dict[str, Any]:
+    """STEPS of AdamW + TrustRatio (LAMB); the ratios and, with ``count``, collectives."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=ADAMW_LR, weight_decay=WEIGHT_DECAY)
+    hook = TrustRatio()
+    hook.attach(optimizer)
+    ratios, collectives = [], []
+    for x, y in batches:
+        optimizer.zero_grad()
+        F.mse_loss(model(shard(x)), shard(y)).backward()
+        if count is None:
+            optimizer.step()
+        else:
+            collectives.append(count(optimizer.step))
+        ratios.append([r.clone() for r in hook.last_ratios])
+    return {"ratios": ratios, "collectives": collectives, "params": full_parameters(model)}
+
+
+def fsdp_trust_ratio(rank: int, world: int, out: Path) -> dict[str, Any]:
+    """TrustRatio on AdamW with every linear layer sharded by its own fully_shard call."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    model = make_mlp()
+    for layer in model:
+        if any(True for _ in layer.parameters()):
+            fully_shard(layer)
+    fully_shard(model)
+    _, batches = data()
+
+    def count(step: Callable[[], object]) -> int:
+        # AdamW's own multi-tensor ops on DTensors communicate nothing: this is TrustRatio.
+        with CommDebugMode() as comm:
+            step()
+        return int(comm.get_total_counts())
+
+    return train_trust_ratio(model, batches, lambda t: half(t, rank, world), count)
+
+
 SCENARIOS: dict[str, Callable[[int, int, Path], dict[str, Any]]] = {
     "ddp": ddp,
     "fsdp": fsdp,
     "fsdp_mesh_per_call": fsdp_mesh_per_call,
+    "fsdp_trust_ratio": fsdp_trust_ratio,
 }
 
 
