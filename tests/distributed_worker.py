@@ -22,6 +22,7 @@ from torch import nn
 from normhooks import (
     AdaptiveGradientClipping,
     GradientLARS,
+    TrustRatio,
     agc_,
     agc_param_groups,
     apply_weight_norm,
@@ -39,6 +40,7 @@ INIT_BATCH = 16
 LR = 0.1
 MOMENTUM = 0.9
 WEIGHT_DECAY = 1e-3
+ADAMW_LR = 1e-2
 
 
 def make_model(seed: int = 0) -> nn.Module:
@@ -418,11 +420,55 @@ def fsdp_agc(rank: int, world: int, out: Path) -> dict[str, Any]:
     }
 
 
+def train_trust_ratio(
+    model: nn.Module,
+    batches: list[tuple[torch.Tensor, torch.Tensor]],
+    shard: Callable[[torch.Tensor], torch.Tensor],
+    count: Callable[[Callable[[], object]], int] | None = None,
+) -> dict[str, Any]:
+    """STEPS of AdamW + TrustRatio (LAMB); the ratios and, with ``count``, collectives."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=ADAMW_LR, weight_decay=WEIGHT_DECAY)
+    hook = TrustRatio()
+    hook.attach(optimizer)
+    ratios, collectives = [], []
+    for x, y in batches:
+        optimizer.zero_grad()
+        F.mse_loss(model(shard(x)), shard(y)).backward()
+        if count is None:
+            optimizer.step()
+        else:
+            collectives.append(count(optimizer.step))
+        ratios.append([r.clone() for r in hook.last_ratios])
+    return {"ratios": ratios, "collectives": collectives, "params": full_parameters(model)}
+
+
+def fsdp_trust_ratio(rank: int, world: int, out: Path) -> dict[str, Any]:
+    """TrustRatio on AdamW with every linear layer sharded by its own fully_shard call."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    model = make_mlp()
+    for layer in model:
+        if any(True for _ in layer.parameters()):
+            fully_shard(layer)
+    fully_shard(model)
+    _, batches = data()
+
+    def count(step: Callable[[], object]) -> int:
+        # AdamW's own multi-tensor ops on DTensors communicate nothing: this is TrustRatio.
+        with CommDebugMode() as comm:
+            step()
+        return int(comm.get_total_counts())
+
+    return train_trust_ratio(model, batches, lambda t: half(t, rank, world), count)
+
+
 SCENARIOS: dict[str, Callable[[int, int, Path], dict[str, Any]]] = {
     "ddp": ddp,
     "fsdp": fsdp,
     "fsdp_mesh_per_call": fsdp_mesh_per_call,
     "fsdp_agc": fsdp_agc,
+    "fsdp_trust_ratio": fsdp_trust_ratio,
 }
 
 

@@ -311,3 +311,36 @@ def test_agc_refuses_dtensors_sharded_on_another_dim(
     message = fsdp_agc[0][key]
     assert message.startswith(f"{where} is a DTensor sharded on dim 1 (Shard(dim=1)); AGC's")
     assert 'opt its param group out with "agc": False' in message
+
+
+# --- TrustRatio ----------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def fsdp_trust_ratio(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    return spawn("fsdp_trust_ratio", tmp_path_factory.mktemp("fsdp_trust_ratio"))
+
+
+@pytest.fixture(scope="module")
+def trust_ratio_reference() -> dict[str, Any]:
+    """worker.make_mlp trained with AdamW + TrustRatio by one process on the full batches."""
+    _, batches = worker.data()
+    return worker.train_trust_ratio(worker.make_mlp(), batches, lambda t: t)
+
+
+def test_trust_ratio_under_fsdp2_matches_one_process(
+    fsdp_trust_ratio: list[dict[str, Any]], trust_ratio_reference: dict[str, Any]
+) -> None:
+    for rank in fsdp_trust_ratio:
+        assert_same_tensors(rank["params"], trust_ratio_reference["params"])
+        for got, expected in zip(rank["ratios"], trust_ratio_reference["ratios"], strict=True):
+            for got_group, expected_group in zip(got, expected, strict=True):
+                assert_close_relative(got_group, expected_group)
+
+
+def test_trust_ratio_one_collective_per_step_under_fsdp2(
+    fsdp_trust_ratio: list[dict[str, Any]],
+) -> None:
+    """The norms of all four sharded layers (one mesh each) go in one all-reduce."""
+    for rank in fsdp_trust_ratio:
+        assert rank["collectives"] == [1] * worker.STEPS

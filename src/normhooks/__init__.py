@@ -4,6 +4,7 @@ normalization for PyTorch."""
 from normhooks.agc import AdaptiveGradientClipping, agc_, agc_param_groups
 from normhooks.data_dependent_init import data_dependent_init
 from normhooks.lars import GradientLARS, lars_, lars_param_groups
+from normhooks.trust_ratio import TrustRatio
 from normhooks.weight_norm import (
     WeightNorm,
     apply_weight_norm,
@@ -24,6 +25,7 @@ __all__ = [
     "AdaptiveGradientClipping",
     "GradientLARS",
     "ScaledWeightStandardization",
+    "TrustRatio",
     "WeightNorm",
     "WeightStandardization",
     "agc_",

@@ -17,6 +17,11 @@ gradient clipping, a trust ratio) subclasses :class:`GradientHook` and supplies 
 Optionally ``_check_group(group, settings)`` raises for a group the technique cannot serve or
 returns a warning, which the base emits once per optimizer and group.
 
+A technique that works on the optimizer's *update* rather than on the gradients (the trust
+ratio) overrides ``_before_step_(optimizer, jobs, skipped)``, which by default runs
+``_unit_`` on the gradients, and ``_after_step(optimizer, args, kwargs)``, which the base then
+registers with ``register_step_post_hook``; ``attach`` returns one handle for both hooks.
+
 A unit function must honour the AMP protocol (see :class:`GradientHook`): when ``grad_scale``
 is a tensor, the gradients it receives are scaled by it and what it writes must be unscaled;
 when ``found_inf`` is a tensor, it sets it to 1 (never adds) where a value it wrote is not
@@ -38,7 +43,13 @@ from torch.utils.hooks import RemovableHandle
 from normhooks import _torch_compat as compat
 from normhooks._precision import compute_dtype
 
-__all__ = ["GradientHook", "UnitFunction", "apply_to_parameters_", "euclidean_norms"]
+__all__ = [
+    "GradientHook",
+    "UnitFunction",
+    "apply_to_parameters_",
+    "euclidean_norms",
+    "sum_over_shards",
+]
 
 S = TypeVar("S")
 S_contra = TypeVar("S_contra", contravariant=True)
@@ -241,14 +252,27 @@ def _reduce_norms_(units: list[_Unit], foreach: bool | None) -> None:
     and summed together: one all-reduce per sharded mesh dimension, and no tensor is gathered.
     """
     squares: dict[int, Tensor] = {}
-    together: dict[Any, list[int]] = {}
     for position, unit in enumerate(units):
         if unit.reduce is None:
             continue
         squares[position] = torch.cat(
             [euclidean_norms(unit.params, foreach), euclidean_norms(unit.grads, foreach)]
         ).square()
-        together.setdefault(unit.reduce_key, []).append(position)
+    for position, total in sum_over_shards(units, squares).items():
+        w_norm, g_norm = total.sqrt().chunk(2)
+        units[position].norms = (w_norm, g_norm)
+
+
+def sum_over_shards(units: Sequence[_Unit], squares: Mapping[int, Tensor]) -> dict[int, Tensor]:
+    """Sums ``squares[i]``, local sums of squares of sharded ``units[i]``, over their shards.
+
+    All the units reduced over the same process groups are stacked and summed together: one
+    all-reduce per sharded mesh dimension. Each total keeps its part's dtype.
+    """
+    together: dict[Any, list[int]] = {}
+    for position in squares:
+        together.setdefault(units[position].reduce_key, []).append(position)
+    totals: dict[int, Tensor] = {}
     for positions in together.values():
         mesh, dims = units[positions[0]].reduce  # type: ignore[misc]
         parts = [squares[p] for p in positions]
@@ -256,10 +280,10 @@ def _reduce_norms_(units: list[_Unit], foreach: bool | None) -> None:
         stacked = torch.cat([part.to(common) for part in parts])
         for dim in dims:
             torch.distributed.all_reduce(stacked, group=mesh.get_group(dim))
-        totals = torch.split(stacked, [p.numel() for p in parts])
-        for position, total in zip(positions, totals, strict=True):
-            w_norm, g_norm = total.to(squares[position].dtype).sqrt().chunk(2)
-            units[position].norms = (w_norm, g_norm)
+        summed = torch.split(stacked, [p.numel() for p in parts])
+        for position, total in zip(positions, summed, strict=True):
+            totals[position] = total.to(squares[position].dtype)
+    return totals
 
 
 @dataclass
@@ -416,6 +440,9 @@ class GradientHook(Generic[S]):
     - ``foreach``: None picks the fastest multi-tensor mix, True forces ``torch._foreach_*``
       ops, False takes one tensor at a time (for tensor types the multi-tensor ops refuse).
     - Nothing is read back to the host: the hook traces under ``torch.compile(fullgraph=True)``.
+    - A technique on the update instead of the gradients overrides ``_before_step_`` and
+      ``_after_step`` (a step post-hook, registered next to the pre-hook); everything above
+      still applies to it.
     """
 
     prefix: ClassVar[str]
@@ -470,7 +497,8 @@ class GradientHook(Generic[S]):
             optimizer: any instance of :class:`torch.optim.Optimizer`.
 
         Returns:
-            The handle of the registered pre-hook.
+            The handle of the registered pre-hook; for a technique with a post-step, one
+            handle whose ``remove()`` removes both hooks.
         """
         name = type(self).__name__
         if not isinstance(optimizer, torch.optim.Optimizer):
@@ -497,6 +525,8 @@ class GradientHook(Generic[S]):
             )
         self._check_optimizer(optimizer)
         handle = optimizer.register_step_pre_hook(self._pre_step)
+        if type(self)._after_step is not GradientHook._after_step:
+            handle = _HookPair(handle, optimizer.register_step_post_hook(self._after_step))
         attached[type(self)] = (self, handle)
         return handle
 
@@ -587,18 +617,34 @@ class GradientHook(Generic[S]):
                 jobs.append(None)
             else:
                 jobs.append(_Job(settings, params, _namer(index, positions), group.get("lr")))
-        grad_scale, found_inf = compat.grad_scale(optimizer), compat.found_inf(optimizer)
         with torch.no_grad():
-            self._last_values = _run_(
-                jobs, self._unit_, self.technique, self._foreach, grad_scale, found_inf
-            )
-            if grad_scale is not None:
-                self._unscale_skipped_(skipped, grad_scale, found_inf)
-                compat.clear_grad_scale(optimizer)
+            self._before_step_(optimizer, jobs, skipped)
         if closure is None:
             return None
         kwargs["closure"] = _SingleUseClosure(loss, optimizer, name)
         return args, kwargs
+
+    def _before_step_(
+        self, optimizer: torch.optim.Optimizer, jobs: list[_Job[S] | None], skipped: list[Tensor]
+    ) -> None:
+        """The technique's work before the step, with fresh gradients, under ``no_grad``.
+
+        ``jobs`` has one entry per param group (None where the group opts out), ``skipped``
+        the parameters with a gradient in groups that opt out. By default: ``_unit_`` on the
+        gradients, with the AMP protocol.
+        """
+        grad_scale, found_inf = compat.grad_scale(optimizer), compat.found_inf(optimizer)
+        self._last_values = _run_(
+            jobs, self._unit_, self.technique, self._foreach, grad_scale, found_inf
+        )
+        if grad_scale is not None:
+            self._unscale_skipped_(skipped, grad_scale, found_inf)
+            compat.clear_grad_scale(optimizer)
+
+    def _after_step(
+        self, optimizer: torch.optim.Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> None:
+        """A step post-hook; registered only for subclasses that override it."""
 
     def _unscale_skipped_(
         self, params: list[Tensor], grad_scale: Tensor, found_inf: Tensor | None
@@ -616,6 +662,23 @@ class GradientHook(Generic[S]):
             unscale_and_check_(grads, flag, inverse_scale(grad_scale, device), self._foreach)
             if found_inf is not None:
                 found_inf.copy_(torch.maximum(found_inf, flag.to(found_inf.device)))
+
+
+class _HookPair(RemovableHandle):
+    """The pre-hook's handle (same id, so duplicate checks see it), also removing the post-hook.
+
+    A subclass of torch's handle rather than an edit of the optimizer's hook dicts.
+    """
+
+    def __init__(self, pre: RemovableHandle, post: RemovableHandle) -> None:
+        self.hooks_dict_ref = pre.hooks_dict_ref
+        self.id = pre.id
+        self.extra_dict_ref = pre.extra_dict_ref
+        self._post = post
+
+    def remove(self) -> None:
+        super().remove()
+        self._post.remove()
 
 
 class _SingleUseClosure:

@@ -45,6 +45,19 @@ def foreach_copy_(tensors: list[Tensor], sources: list[Tensor]) -> None:
     torch._foreach_copy_(tensors, sources)
 
 
+def foreach_sub_(tensors: list[Tensor], others: list[Tensor]) -> None:
+    """``t -= o`` for every pair (2.11, 2.13)."""
+    torch._foreach_sub_(tensors, others)
+
+
+def foreach_addcmul_(tensors: list[Tensor], others: list[Tensor], factors: list[Tensor]) -> None:
+    """``t += o * f`` for every triple, with ``f`` a 0-dim tensor per pair (2.11, 2.13).
+
+    One factor per tensor without reading it back to the host (a ScalarList would).
+    """
+    torch._foreach_addcmul_(tensors, others, factors)
+
+
 def weight_norm_interface(v: Tensor, g: Tensor, dim: int) -> tuple[Tensor, Tensor]:
     """torch's fused ``g * v / ||v||`` and the norms it divided by (2.11, 2.13)."""
     weight, norm = torch._weight_norm_interface(v, g, dim)

@@ -1,0 +1,366 @@
+r"""A layer-wise trust ratio on any optimizer's own update: LAMB for AdamW, and more.
+
+Implements the trust ratio of Y. You, J. Li, S. Reddi et al., "Large Batch Optimization for
+Deep Learning: Training BERT in 76 minutes", arXiv:1904.00962 (2019), for any
+:class:`torch.optim.Optimizer`, the way optax composes ``scale_by_trust_ratio`` after any
+transformation: the optimizer takes its step, and the hook rescales each parameter's update
+by :math:`\|w\| / \|u\|`. With AdamW this is LAMB.
+
+The maths are pure functions (:func:`trust_ratios`, :func:`rescale_updates_`);
+:class:`TrustRatio` puts them on :class:`~normhooks._grad_hook.GradientHook`, which handles
+attaching, closures, param-group settings and sharded parameters.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from normhooks import _checks
+from normhooks import _torch_compat as compat
+from normhooks._grad_hook import (
+    GradientHook,
+    _in_order,
+    _Job,
+    _Unit,
+    _units,
+    euclidean_norms,
+    sum_over_shards,
+)
+
+__all__ = ["TrustRatio", "rescale_updates_", "trust_ratios"]
+
+_EXACT_DTYPES = (torch.float32, torch.float64)
+
+
+@dataclass(frozen=True)
+class TrustRatioSettings:
+    threshold: float
+    eps: float
+    coefficient: float
+    clip: float | None
+
+
+def _check_settings(values: Mapping[str, object], prefix: str = "") -> TrustRatioSettings:
+    clip = values["clip"]
+    return TrustRatioSettings(
+        threshold=_checks.non_negative(prefix + "threshold", values["threshold"]),
+        eps=_checks.non_negative(prefix + "eps", values["eps"]),
+        # "trust_coefficient" both as the argument and as the group key "trust_" + "coefficient".
+        coefficient=_checks.positive("trust_coefficient", values["coefficient"]),
+        clip=None if clip is None else _checks.positive(prefix + "clip", clip),
+    )
+
+
+def trust_ratios(w_norm: Tensor, u_norm: Tensor, settings: TrustRatioSettings) -> Tensor:
+    r"""The trust ratio of each parameter from :math:`\|w\|` and :math:`\|u\| = \|\Delta\| / lr`.
+
+    :math:`r = \min(\eta \|w\| / (\|u\| + \epsilon), \text{clip})`, and :math:`r = 1` (the
+    optimizer's own update) where :math:`\|w\| \le` threshold or :math:`\|u\| = 0`. Computed
+    with ``torch.where``, never a Python branch on a value: nothing is read back to the host.
+
+    Example:
+        >>> settings = TrustRatioSettings(threshold=0.0, eps=0.0, coefficient=1.0, clip=None)
+        >>> trust_ratios(torch.tensor([3.0, 0.0, 2.0]), torch.tensor([6.0, 1.0, 0.0]), settings)
+        tensor([0.5000, 1.0000, 1.0000])
+    """
+    denominator = u_norm + settings.eps if settings.eps != 0 else u_norm
+    ratio = w_norm / denominator
+    if settings.coefficient != 1:
+        ratio = ratio * settings.coefficient
+    if settings.clip is not None:
+        ratio = torch.clamp(ratio, max=settings.clip)
+    # A zero update stays zero whatever the ratio, and a non-finite one stays non-finite: the
+    # ratio 1 leaves the optimizer's result exactly as it is (a skipped AMP step included).
+    scaled = (w_norm > settings.threshold) & (u_norm > 0)
+    return torch.where(scaled, ratio, torch.ones_like(ratio))
+
+
+def rescale_updates_(
+    params: list[Tensor], reverts: list[Tensor], ratios: Tensor, foreach: bool | None = None
+) -> None:
+    r"""``w += (1 - r) * d`` in place, where ``d = w_old - w_new``: :math:`w = w_{old} + r\Delta`.
+
+    Written around the new value, so that :math:`r = 1` leaves it bit for bit unchanged.
+
+    Example:
+        >>> w = torch.tensor([1.5, 2.0])  # after a step from [1.0, 1.0]
+        >>> rescale_updates_([w], [torch.tensor([1.0, 1.0]) - w], torch.tensor([0.5]))
+        >>> w
+        tensor([1.2500, 1.5000])
+    """
+    factors = list((1 - ratios).to(params[0].dtype).unbind(0))
+    if foreach is False:
+        for param, revert, factor in zip(params, reverts, factors, strict=True):
+            param.addcmul_(revert, factor)
+    else:
+        compat.foreach_addcmul_(params, reverts, factors)
+
+
+def _copies(tensors: list[Tensor], foreach: bool | None) -> list[Tensor]:
+    copies = [torch.empty_like(t) for t in tensors]
+    if foreach is False:
+        for copy, tensor in zip(copies, tensors, strict=True):
+            copy.copy_(tensor)
+    else:
+        compat.foreach_copy_(copies, tensors)
+    return copies
+
+
+@dataclass
+class _Pending:
+    """What the pre-step keeps for the post-step: the plan and each unit's old parameters."""
+
+    jobs: list[_Job[TrustRatioSettings] | None]
+    units: list[list[_Unit]]
+    olds: list[list[list[Tensor]]]
+
+
+def _rescale_all_(pending: _Pending, foreach: bool | None) -> list[Tensor]:
+    """The post-step: every unit's update rescaled; the ratios per job, in parameter order.
+
+    First each unit's norms (the old parameters', then the update's, once the old copies
+    hold ``w_old - w_new``), then one all-reduce for all the sharded units, then the updates.
+    """
+    flat = [
+        (position, unit, olds)
+        for position, (units, olds_of) in enumerate(zip(pending.units, pending.olds, strict=True))
+        for unit, olds in zip(units, olds_of, strict=True)
+    ]
+    norms = []
+    for _, unit, olds in flat:
+        w_norm = euclidean_norms(olds, foreach)
+        if foreach is False:
+            for old, param in zip(olds, unit.params, strict=True):
+                old.sub_(param)
+        else:
+            compat.foreach_sub_(olds, unit.params)
+        norms.append((w_norm, euclidean_norms(olds, foreach)))
+    squares = {
+        i: torch.cat(norms[i]).square() for i, (_, unit, _) in enumerate(flat) if unit.reduce
+    }
+    for i, total in sum_over_shards([unit for _, unit, _ in flat], squares).items():
+        w_norm, d_norm = total.sqrt().chunk(2)
+        norms[i] = (w_norm, d_norm)
+    per_job: dict[int, list[tuple[list[int], Tensor]]] = {}
+    for (position, unit, olds), (w_norm, d_norm) in zip(flat, norms, strict=True):
+        job = pending.jobs[position]
+        assert job is not None  # only jobs that take part have units
+        lr = job.lr.to(d_norm) if isinstance(job.lr, Tensor) else job.lr
+        ratios = trust_ratios(w_norm, d_norm / lr, job.settings)  # type: ignore[operator]
+        rescale_updates_(unit.params, olds, ratios, foreach)
+        per_job.setdefault(position, []).append((unit.indices, ratios))
+    return [
+        _in_order(per_job[p], len(job.params))
+        if job is not None and p in per_job
+        else torch.empty(0)
+        for p, job in enumerate(pending.jobs)
+    ]
+
+
+class TrustRatio(GradientHook[TrustRatioSettings]):
+    r"""Rescales the update of any optimizer by a layer-wise trust ratio (LAMB's).
+
+    The optimizer takes its own step; then, for each parameter, with
+    :math:`\Delta = w_{new} - w_{old}` and the param group's learning rate :math:`lr`:
+
+    .. math::
+
+        u = -\Delta / lr, \qquad
+        r = \min\!\left(\frac{\eta\,\|w_{old}\|}{\|u\| + \epsilon}, \text{clip}\right), \qquad
+        w \leftarrow w_{old} + r\,\Delta,
+
+    with :math:`r = 1` (the optimizer's update, untouched) where
+    :math:`\|w_{old}\| \le` ``threshold`` or :math:`\|u\| = 0` (a zero update, a skipped AMP
+    step), and norms of whole tensors (of the full tensor for DTensor shards).
+    :math:`u` is the optimizer's step direction, decoupled weight decay included; dividing by
+    ``lr`` makes the ratio, and ``eps`` with it, independent of the schedule, as in optax's
+    ``scale_by_trust_ratio`` (where the update has not been multiplied by the lr yet).
+    ``eps`` is added to :math:`\|u\|`. ``lr`` is read at each step, so LR schedulers work;
+    ``lr = 0`` with a nonzero update gives :math:`r = 0`.
+
+    With ``torch.optim.AdamW(weight_decay=wd)``,
+    :math:`u = \hat m / (\sqrt{\hat v} + \epsilon_{Adam}) + wd\, w`, and this is LAMB as
+    timm's ``Lamb`` and apex's ``FusedLAMB`` compute it:
+
+    ============================  =====================================================
+    LAMB variant                  with TrustRatio
+    ============================  =====================================================
+    timm ``Lamb`` (defaults:      ``AdamW(betas, eps, weight_decay)`` + ``TrustRatio()``
+    decay added to ``u``, bias    and ``"trust": False`` on groups with
+    correction, no ratio where    ``weight_decay=0`` (``always_adapt=True``: no
+    ``weight_decay=0``)           opt-out); its ``max_grad_norm`` clipping is not part
+                                  of it (``clip_grad_norm_`` before the step is close);
+                                  ``trust_clip=True`` is ``clip=1.0``
+    timm ``decoupled_decay=True`` not reproduced: it decays ``w`` first and takes the
+                                  ratio of the decayed ``w`` and an update without decay
+    apex ``FusedLAMB`` (NVLAMB,   as timm's defaults (``use_nvlamb=True``: no opt-out);
+    ``adam_w_mode=True``)         its global gradient clipping likewise left out
+    apex ``adam_w_mode=False``    ``Adam(weight_decay=wd)`` + ``TrustRatio()``: the L2
+                                  term enters the moments, not ``u``
+    paper v1 (arXiv:1904.00962)   AdamW + TrustRatio: bias correction, decay in ``u``,
+                                  :math:`r = \|w\| / \|u\|`
+    paper v3                      no bias correction (torch's Adam always corrects:
+                                  needs an optimizer without it) and
+                                  :math:`\phi(\|w\|)` for :math:`\|w\|`
+    paper v5 (final)              bias correction again and :math:`\phi(\|w\|)`, a
+                                  clipping of the weight norm; ``clip`` caps the ratio
+                                  instead and ``threshold`` leaves small weights alone
+    optax ``chain(..., scale_by_  the same formula, ``eps`` included; optax has no
+    trust_ratio(), scale(-lr))``  ``threshold`` or ``clip``
+    ============================  =====================================================
+
+    With ``torch.optim.SGD(momentum)`` it is optax's ``chain(trace(momentum),
+    scale_by_trust_ratio(), scale(-lr))``.
+
+    Cost: one copy of the parameters taking part, held while the step runs and released
+    after it; the copy, the norms and the rescaling are multi-tensor ops (``foreach``), and
+    nothing is read back to the host. The optimizer's ``state_dict`` is untouched.
+
+    Precision: the update is read as a difference of parameters after the optimizer has
+    rounded :math:`w_{new}`, whose rounding error (half a unit in the last place) the ratio
+    then multiplies, in :math:`\Delta` and in :math:`\|\Delta\|`: per step the result stays
+    within about :math:`r + 1` units in the last place of :math:`\max |w|` of a LAMB that
+    never rounds :math:`w_{new}` (tests/test_trust_ratio.py measures it against float64). The
+    usual ratios are below a few units. Float16/bfloat16 parameters are refused: an optimizer
+    that keeps float32 master weights for them would overwrite the hook's result at its next
+    step, and one that does not has already rounded a small update away. Keep float32
+    parameters and train in low precision under ``torch.autocast``.
+
+    Param groups can opt out (``"trust": False``) or override a setting for themselves with
+    ``"trust_threshold"``, ``"trust_eps"``, ``"trust_coefficient"`` or ``"trust_clip"``. The
+    ratios of the last step are in :attr:`last_ratios`. Closures work (the hook evaluates
+    the closure, as every :class:`~normhooks._grad_hook.GradientHook` does); under
+    :class:`torch.amp.GradScaler` a skipped step stays skipped: a non-fused optimizer's step
+    does not run at all, a fused one leaves the parameters unchanged and the ratio is 1.
+    DTensor parameters (FSDP2, HSDP) get the norms of their full tensors, one all-reduce per
+    set of process groups for all of them. One TrustRatio per optimizer.
+
+    Args:
+        threshold: parameters whose norm is at most this keep the optimizer's update (r = 1).
+        eps: added to :math:`\|u\|` in the denominator.
+        trust_coefficient: :math:`\eta`, multiplies the ratio.
+        clip: an upper bound on the ratio (timm's ``trust_clip=True`` is ``clip=1.0``), or
+            None for no bound.
+        foreach: True forces multi-tensor ops, False takes one tensor at a time, None picks
+            the fastest.
+
+    References:
+        You et al., Large Batch Optimization for Deep Learning: Training BERT in 76 Minutes,
+        arXiv:1904.00962 (v1, v3 and v5 differ as above).
+
+    Example:
+        >>> model = torch.nn.Linear(3, 2)
+        >>> optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=1e-2)
+        >>> hook = TrustRatio()
+        >>> handle = hook.attach(optimizer)
+        >>> model(torch.ones(4, 3)).sum().backward()
+        >>> optimizer.step()
+        >>> [tuple(r.shape) for r in hook.last_ratios]  # weight and bias
+        [(2,)]
+        >>> handle.remove()
+    """
+
+    prefix = "trust"
+    technique = "TrustRatio"
+
+    def __init__(
+        self,
+        threshold: float = 0.0,
+        eps: float = 0.0,
+        *,
+        trust_coefficient: float = 1.0,
+        clip: float | None = None,
+        foreach: bool | None = None,
+    ) -> None:
+        values = {
+            "threshold": threshold,
+            "eps": eps,
+            "coefficient": trust_coefficient,
+            "clip": clip,
+        }
+        super().__init__(_check_settings(values), foreach=foreach)
+        self._pending: weakref.WeakKeyDictionary[torch.optim.Optimizer, _Pending] = (
+            weakref.WeakKeyDictionary()
+        )
+
+    @classmethod
+    def _check_settings(cls, values: Mapping[str, object], prefix: str) -> TrustRatioSettings:
+        return _check_settings(values, prefix)
+
+    def _check_group(self, group: Mapping[str, Any], settings: TrustRatioSettings) -> str | None:
+        lr = group.get("lr")
+        if not isinstance(lr, Tensor) and (
+            isinstance(lr, bool) or not isinstance(lr, (int, float)) or not 0 <= lr < float("inf")
+        ):
+            raise ValueError(
+                "TrustRatio divides the update by the group's learning rate, which must be a "
+                f'non-negative finite number or a tensor, but the group has "lr"={lr!r}'
+            )
+        for position, param in enumerate(group["params"]):
+            if isinstance(param, Tensor) and param.dtype not in _EXACT_DTYPES:
+                raise TypeError(
+                    f"parameter {position} is {param.dtype}; TrustRatio needs float32 or "
+                    "float64 parameters: the optimizer rounds its update to the parameter's "
+                    "dtype before the hook reads it, and in half precision that loses most of "
+                    "a small update. Keep float32 parameters and use torch.autocast, or opt "
+                    'the group out with "trust": False'
+                )
+        return None
+
+    def _before_step_(
+        self,
+        optimizer: torch.optim.Optimizer,
+        jobs: list[_Job[TrustRatioSettings] | None],
+        skipped: list[Tensor],
+    ) -> None:
+        # Every parameter is grouped and checked before anything is copied.
+        units = [
+            _units(job.params, job.where, self.technique) if job is not None and job.params else []
+            for job in jobs
+        ]
+        olds = [[_copies(unit.params, self._foreach) for unit in of_job] for of_job in units]
+        self._pending[optimizer] = _Pending(jobs, units, olds)
+
+    def _after_step(
+        self, optimizer: torch.optim.Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> None:
+        pending = self._pending.pop(optimizer, None)
+        if pending is None:
+            return
+        with torch.no_grad():
+            self._last_values = _rescale_all_(pending, self._foreach)
+
+    @property
+    def last_ratios(self) -> list[Tensor]:
+        """The ratios of the last step: one 1-D tensor per param group (empty where the
+        group opts out or has no gradient), on the parameters' device."""
+        return self._last_values
+
+    @property
+    def threshold(self) -> float:
+        return self._settings.threshold
+
+    @property
+    def eps(self) -> float:
+        return self._settings.eps
+
+    @property
+    def trust_coefficient(self) -> float:
+        return self._settings.coefficient
+
+    @property
+    def clip(self) -> float | None:
+        return self._settings.clip
+
+    def __repr__(self) -> str:
+        s = self._settings
+        return (
+            f"TrustRatio(threshold={s.threshold}, eps={s.eps}, "
+            f"trust_coefficient={s.coefficient}, clip={s.clip})"
+        )

@@ -1,0 +1,833 @@
+"""TrustRatio: LAMB and optax references, settings, AMP, closures, precision, errors."""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import Tensor, nn
+
+from helpers import assert_close_rel, assert_grad_scaler_matches_unscaled
+from normhooks import GradientLARS, TrustRatio
+
+SHAPES = [(6, 5), (5,), (3, 6, 2), (3,)]
+BETAS = (0.9, 0.99)
+ADAM_EPS = 1e-6
+
+
+def make_params(dtype: torch.dtype = torch.float64, seed: int = 0) -> list[nn.Parameter]:
+    generator = torch.Generator().manual_seed(seed)
+    return [nn.Parameter(torch.randn(s, generator=generator, dtype=dtype)) for s in SHAPES]
+
+
+def make_grads(steps: int, dtype: torch.dtype = torch.float64, seed: int = 1) -> list[list[Tensor]]:
+    generator = torch.Generator().manual_seed(seed)
+    return [
+        [torch.randn(s, generator=generator, dtype=dtype) for s in SHAPES] for _ in range(steps)
+    ]
+
+
+def guarded_ratio(
+    w_norm: float,
+    u_norm: float,
+    threshold: float = 0.0,
+    eps: float = 0.0,
+    coefficient: float = 1.0,
+    clip: float | None = None,
+) -> float:
+    if w_norm <= threshold or u_norm == 0:
+        return 1.0
+    ratio = coefficient * w_norm / (u_norm + eps)
+    return ratio if clip is None else min(ratio, clip)
+
+
+def lamb_reference(
+    start: Sequence[Tensor],
+    grads: Sequence[Sequence[Tensor]],
+    lrs: Sequence[float],
+    weight_decay: float,
+    *,
+    l2: bool = False,
+    adapt: Sequence[bool] | None = None,
+    **trust: Any,
+) -> tuple[list[Tensor], list[list[float]]]:
+    """LAMB written out from arXiv:1904.00962 (Algorithm 2, bias-corrected) in float64.
+
+    ``u = m_hat / (sqrt(v_hat) + eps) + wd * w`` and ``w -= lr * r * u`` with
+    ``r = ||w|| / ||u||``: the update timm's Lamb and apex's FusedLAMB (adam_w_mode) compute.
+    ``l2=True`` is apex's adam_w_mode=False: the decay enters the gradient instead.
+    ``adapt[i]`` False leaves parameter i at r = 1 (timm/apex on groups without decay).
+    """
+    ws = [w.detach().double().clone() for w in start]
+    ms = [torch.zeros_like(w) for w in ws]
+    vs = [torch.zeros_like(w) for w in ws]
+    ratios = []
+    for t, (step_grads, lr) in enumerate(zip(grads, lrs, strict=True), start=1):
+        step_ratios = []
+        for i, grad in enumerate(step_grads):
+            g = grad.double() + (weight_decay * ws[i] if l2 else 0)
+            ms[i] = BETAS[0] * ms[i] + (1 - BETAS[0]) * g
+            vs[i] = BETAS[1] * vs[i] + (1 - BETAS[1]) * g * g
+            m_hat, v_hat = ms[i] / (1 - BETAS[0] ** t), vs[i] / (1 - BETAS[1] ** t)
+            u = m_hat / (v_hat.sqrt() + ADAM_EPS) + (0 if l2 else weight_decay * ws[i])
+            ratio = 1.0
+            if adapt is None or adapt[i]:
+                ratio = guarded_ratio(ws[i].norm().item(), u.norm().item(), **trust)
+            ws[i] = ws[i] - lr * ratio * u
+            step_ratios.append(ratio)
+        ratios.append(step_ratios)
+    return ws, ratios
+
+
+def optax_momentum_reference(
+    start: Sequence[Tensor],
+    grads: Sequence[Sequence[Tensor]],
+    lr: float,
+    momentum: float,
+    weight_decay: float,
+    **trust: Any,
+) -> list[Tensor]:
+    """optax's chain(add_decayed_weights(wd), trace(momentum), scale_by_trust_ratio(),
+    scale(-lr)) written out: t = momentum * t + (g + wd w); w -= lr * r(w, t) * t."""
+    ws = [w.detach().double().clone() for w in start]
+    traces = [torch.zeros_like(w) for w in ws]
+    for step_grads in grads:
+        for i, grad in enumerate(step_grads):
+            traces[i] = momentum * traces[i] + grad.double() + weight_decay * ws[i]
+            ratio = guarded_ratio(ws[i].norm().item(), traces[i].norm().item(), **trust)
+            ws[i] = ws[i] - lr * ratio * traces[i]
+    return ws
+
+
+def run_hooked(
+    params: list[nn.Parameter],
+    optimizer: torch.optim.Optimizer,
+    grads: Sequence[Sequence[Tensor]],
+    hook: TrustRatio,
+    on_step: Callable[[int], None] | None = None,
+) -> list[list[Tensor]]:
+    """Sets each step's gradients and steps; returns the hook's ratios per step."""
+    ratios = []
+    for step, step_grads in enumerate(grads):
+        for param, grad in zip(params, step_grads, strict=True):
+            param.grad = grad.to(param.dtype).clone()
+        optimizer.step()
+        ratios.append([r.clone() for r in hook.last_ratios])
+        if on_step is not None:
+            on_step(step)
+    return ratios
+
+
+def tolerance(dtype: torch.dtype) -> float:
+    return 1e-12 if dtype == torch.float64 else 1e-5
+
+
+# --- references ----------------------------------------------------------------------------
+
+ADAMW_KINDS = {
+    "single-tensor": {"foreach": False},
+    "foreach": {"foreach": True},
+    "fused": {"fused": True},
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
+@pytest.mark.parametrize("kind", list(ADAMW_KINDS))
+def test_adamw_matches_lamb_over_a_trajectory(kind: str, dtype: torch.dtype) -> None:
+    params, grads = make_params(dtype), make_grads(8)
+    expected, expected_ratios = lamb_reference(params, grads, [1e-2] * 8, 0.05)
+    optimizer = torch.optim.AdamW(
+        params, lr=1e-2, betas=BETAS, eps=ADAM_EPS, weight_decay=0.05, **ADAMW_KINDS[kind]
+    )
+    hook = TrustRatio()
+    hook.attach(optimizer)
+    ratios = run_hooked(params, optimizer, grads, hook)
+    for got, want in zip(params, expected, strict=True):
+        assert_close_rel(got.detach().double(), want, tolerance(dtype))
+    # In float32 the ratio comes from w_new - w_old, exact to about ulp(w) / |lr * u|.
+    torch.testing.assert_close(
+        torch.tensor([r[0].tolist() for r in ratios], dtype=torch.float64),
+        torch.tensor(expected_ratios, dtype=torch.float64),
+        rtol=1e-12 if dtype == torch.float64 else 1e-4,
+        atol=0,
+    )
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
+def test_adam_with_l2_decay_matches_apex_adam_mode(dtype: torch.dtype) -> None:
+    """apex FusedLAMB(adam_w_mode=False): the decay enters the moments, not the update."""
+    params, grads = make_params(dtype), make_grads(6)
+    expected, _ = lamb_reference(params, grads, [1e-2] * 6, 0.05, l2=True)
+    optimizer = torch.optim.Adam(params, lr=1e-2, betas=BETAS, eps=ADAM_EPS, weight_decay=0.05)
+    hook = TrustRatio()
+    hook.attach(optimizer)
+    run_hooked(params, optimizer, grads, hook)
+    for got, want in zip(params, expected, strict=True):
+        assert_close_rel(got.detach().double(), want, tolerance(dtype))
+
+
+def test_opting_out_undecayed_groups_matches_timm_and_apex_defaults() -> None:
+    """timm's always_adapt=False / apex's use_nvlamb=False: no ratio where weight_decay=0."""
+    params, grads = make_params(), make_grads(6)
+    decayed, undecayed = [params[0], params[2]], [params[1], params[3]]
+    # The reference with per-parameter decay: two runs, one per group's setting.
+    want_decayed, _ = lamb_reference(decayed, [[g[0], g[2]] for g in grads], [1e-2] * 6, 0.05)
+    want_plain, _ = lamb_reference(
+        undecayed, [[g[1], g[3]] for g in grads], [1e-2] * 6, 0.0, adapt=[False, False]
+    )
+    optimizer = torch.optim.AdamW(
+        [{"params": decayed}, {"params": undecayed, "weight_decay": 0.0, "trust": False}],
+        lr=1e-2,
+        betas=BETAS,
+        eps=ADAM_EPS,
+        weight_decay=0.05,
+    )
+    hook = TrustRatio()
+    hook.attach(optimizer)
+    run_hooked(decayed + undecayed, optimizer, [[g[0], g[2], g[1], g[3]] for g in grads], hook)
+    for got, want in zip(decayed + undecayed, want_decayed + want_plain, strict=True):
+        assert_close_rel(got.detach(), want, 1e-12)
+    assert hook.last_ratios[1].numel() == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
+def test_matches_timm_lamb(dtype: torch.dtype) -> None:
+    timm_optim = pytest.importorskip("timm.optim")
+    params, grads = make_params(dtype), make_grads(8)
+    twins = [nn.Parameter(p.detach().clone()) for p in params]
+    lamb = timm_optim.Lamb(
+        twins,
+        lr=1e-2,
+        betas=BETAS,
+        eps=ADAM_EPS,
+        weight_decay=0.05,
+        max_grad_norm=None,
+        always_adapt=True,
+    )
+    optimizer = torch.optim.AdamW(params, lr=1e-2, betas=BETAS, eps=ADAM_EPS, weight_decay=0.05)
+    hook = TrustRatio()
+    hook.attach(optimizer)
+    run_hooked(params, optimizer, grads, hook)
+    for step_grads in grads:
+        for twin, grad in zip(twins, step_grads, strict=True):
+            twin.grad = grad.to(dtype)
+        lamb.step()
+    for got, want in zip(params, twins, strict=True):
+        assert_close_rel(got.detach(), want.detach(), tolerance(dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
+@pytest.mark.parametrize("eps", [0.0, 0.5], ids=["eps0", "eps-large"])
+def test_sgd_momentum_matches_optax_composition(eps: float, dtype: torch.dtype) -> None:
+    params, grads = make_params(dtype), make_grads(6)
+    expected = optax_momentum_reference(params, grads, 0.1, 0.9, 1e-3, eps=eps)
+    optimizer = torch.optim.SGD(params, lr=0.1, momentum=0.9, weight_decay=1e-3)
+    hook = TrustRatio(eps=eps)
+    hook.attach(optimizer)
+    run_hooked(params, optimizer, grads, hook)
+    for got, want in zip(params, expected, strict=True):
+        assert_close_rel(got.detach().double(), want, tolerance(dtype))
+
+
+def test_lr_scheduler_lr_is_read_at_each_step() -> None:
+    params, grads = make_params(), make_grads(5)
+    lrs = [1e-2 * 0.5**step for step in range(5)]
+    expected, _ = lamb_reference(params, grads, lrs, 0.05)
+    optimizer = torch.optim.AdamW(params, lr=1e-2, betas=BETAS, eps=ADAM_EPS, weight_decay=0.05)
+    scheduler = torch.optim.lr_scheduler.ExponentialLR(optimizer, gamma=0.5)
+    hook = TrustRatio()
+    hook.attach(optimizer)
+    run_hooked(params, optimizer, grads, hook, on_step=lambda _: scheduler.step())
+    for got, want in zip(params, expected, strict=True):
+        assert_close_rel(got.detach(), want, 1e-12)
+
+
+def test_tensor_lr() -> None:
+    params, grads = make_params(), make_grads(3)
+    expected, _ = lamb_reference(params, grads, [1e-2] * 3, 0.05)
+    optimizer = torch.optim.AdamW(
+        params,
+        lr=torch.tensor(1e-2, dtype=torch.float64),
+        betas=BETAS,
+        eps=ADAM_EPS,
+        weight_decay=0.05,
+    )
+    hook = TrustRatio()
+    hook.attach(optimizer)
+    run_hooked(params, optimizer, grads, hook)
+    for got, want in zip(params, expected, strict=True):
+        assert_close_rel(got.detach(), want, 1e-12)
+
+
+OTHER_OPTIMIZERS: dict[str, Callable[[list[nn.Parameter]], torch.optim.Optimizer]] = {
+    "rmsprop": lambda p: torch.optim.RMSprop(p, lr=1e-2, momentum=0.5),
+    "adafactor": lambda p: torch.optim.Adafactor(p, lr=1e-2),
+    "nadam": lambda p: torch.optim.NAdam(p, lr=1e-2, weight_decay=1e-2),
+    "adagrad": lambda p: torch.optim.Adagrad(p, lr=1e-1),
+    "sgd-nesterov": lambda p: torch.optim.SGD(p, lr=1e-1, momentum=0.9, nesterov=True),
+}
+
+
+@pytest.mark.parametrize("name", list(OTHER_OPTIMIZERS))
+def test_any_optimizer_gets_its_own_update_rescaled(name: str) -> None:
+    """Two steps: the hooked result equals the plain optimizer's update times the ratio."""
+    make = OTHER_OPTIMIZERS[name]
+    params = make_params()
+    plain_params = [nn.Parameter(p.detach().clone()) for p in params]
+    optimizer, plain = make(params), make(plain_params)
+    hook = TrustRatio()
+    hook.attach(optimizer)
+    for step_grads in make_grads(2):
+        # the plain twin starts each step where the hooked one is, with the same state
+        with torch.no_grad():
+            for twin, param in zip(plain_params, params, strict=True):
+                twin.copy_(param)
+        plain.load_state_dict(copy.deepcopy(optimizer.state_dict()))
+        old = [p.detach().clone() for p in params]
+        for param, twin, grad in zip(params, plain_params, step_grads, strict=True):
+            param.grad, twin.grad = grad.clone(), grad.clone()
+        optimizer.step()
+        plain.step()
+        lr = optimizer.param_groups[0]["lr"]
+        for param, twin, w in zip(params, plain_params, old, strict=True):
+            delta = twin.detach() - w
+            ratio = guarded_ratio(w.norm().item(), delta.norm().item() / lr)
+            assert_close_rel(param.detach(), w + ratio * delta, 1e-12)
+
+
+def test_third_party_optimizer_subclass() -> None:
+    class SignSGD(torch.optim.Optimizer):
+        def __init__(self, params: Any, lr: float) -> None:
+            super().__init__(params, {"lr": lr})
+
+        @torch.no_grad()
+        def step(self, closure: Any = None) -> None:
+            for group in self.param_groups:
+                for p in group["params"]:
+                    if p.grad is not None:
+                        p.sub_(group["lr"] * p.grad.sign())
+
+    params = make_params()
+    old = [p.detach().clone() for p in params]
+    optimizer = SignSGD(params, lr=0.1)
+    hook = TrustRatio()
+    hook.attach(optimizer)
+    (grads,) = make_grads(1)
+    run_hooked(params, optimizer, [grads], hook)
+    for param, w, g in zip(params, old, grads, strict=True):
+        ratio = w.norm() / g.sign().norm()
+        assert_close_rel(param.detach(), w - 0.1 * ratio * g.sign(), 1e-12)
+
+
+# --- settings: threshold, clip, coefficient, eps, zero norms -------------------------------
+
+
+@settings(deadline=None, max_examples=60)
+@given(
+    threshold=st.sampled_from([0.0, 0.5, 2.0, 100.0]),
+    eps=st.sampled_from([0.0, 1e-6, 0.3, 5.0]),
+    coefficient=st.floats(0.01, 10.0),
+    clip=st.one_of(st.none(), st.floats(0.05, 20.0)),
+    lr=st.floats(1e-4, 1.0),
+    scale=st.floats(0.01, 10.0),
+    seed=st.integers(0, 2**16),
+)
+def test_one_sgd_step_matches_formula(
+    threshold: float,
+    eps: float,
+    coefficient: float,
+    clip: float | None,
+    lr: float,
+    scale: float,
+    seed: int,
+) -> None:
+    params = make_params(seed=seed)
+    with torch.no_grad():
+        params[0].mul_(scale)
+    (grads,) = make_grads(1, seed=seed + 1)
+    old = [p.detach().clone() for p in params]
+    optimizer = torch.optim.SGD(params, lr=lr)
+    hook = TrustRatio(threshold, eps, trust_coefficient=coefficient, clip=clip)
+    hook.attach(optimizer)
+    run_hooked(params, optimizer, [grads], hook)
+    trust = {"threshold": threshold, "eps": eps, "coefficient": coefficient, "clip": clip}
+    for param, w, g, got_ratio in zip(params, old, grads, hook.last_ratios[0], strict=True):
+        ratio = guarded_ratio(w.norm().item(), g.norm().item(), **trust)
+        assert got_ratio.item() == pytest.approx(ratio, rel=1e-12)
+        assert_close_rel(param.detach(), w - lr * ratio * g, 1e-12)
+
+
+def test_threshold_keeps_small_weights_at_ratio_one() -> None:
+    small, large = nn.Parameter(torch.full((4,), 0.1)), nn.Parameter(torch.full((4,), 3.0))
+    for p in (small, large):
+        p.grad = torch.ones(4)
+    optimizer = torch.optim.SGD([small, large], lr=0.1)
+    hook = TrustRatio(threshold=1.0)
+    hook.attach(optimizer)
+    optimizer.step()
+    assert hook.last_ratios[0].tolist() == pytest.approx([1.0, 3.0], rel=1e-6)
+    torch.testing.assert_close(small.detach(), torch.full((4,), 0.0))
+    torch.testing.assert_close(large.detach(), torch.full((4,), 3.0 - 0.1 * 3.0))
+
+
+def test_clip_caps_the_ratio() -> None:
+    param = nn.Parameter(torch.full((4,), 3.0))
+    param.grad = torch.ones(4)
+    optimizer = torch.optim.SGD([param], lr=0.1)
+    hook = TrustRatio(clip=1.0)
+    hook.attach(optimizer)
+    optimizer.step()
+    assert hook.last_ratios[0].tolist() == [1.0]
+    torch.testing.assert_close(param.detach(), torch.full((4,), 2.9))
+
+
+@pytest.mark.parametrize("case", ["zero-weight", "zero-update", "zero-lr", "empty"])
+def test_zero_norms_give_ratio_one_and_the_optimizers_result(case: str) -> None:
+    weight = torch.zeros(3) if case == "zero-weight" else torch.ones(3)
+    if case == "empty":
+        weight = torch.ones(0)
+    param = nn.Parameter(weight.clone())
+    param.grad = torch.zeros_like(weight) if case == "zero-update" else torch.ones_like(weight)
+    lr = 0.0 if case == "zero-lr" else 0.1
+    optimizer = torch.optim.AdamW([param], lr=lr, weight_decay=0.0)
+    twin = nn.Parameter(weight.clone())
+    twin.grad = param.grad.clone()
+    plain = torch.optim.AdamW([twin], lr=lr, weight_decay=0.0)
+    hook = TrustRatio(eps=1e-3)
+    hook.attach(optimizer)
+    optimizer.step()
+    plain.step()
+    assert hook.last_ratios[0].tolist() == [1.0]
+    assert torch.equal(param.detach(), twin.detach())
+    assert torch.isfinite(param).all()
+
+
+def test_non_finite_update_stays_non_finite() -> None:
+    param = nn.Parameter(torch.ones(3))
+    param.grad = torch.tensor([1.0, math.nan, 1.0])
+    optimizer = torch.optim.SGD([param], lr=0.1)
+    TrustRatio().attach(optimizer)
+    optimizer.step()
+    assert torch.isnan(param).any()
+
+
+def test_last_ratios_per_group_in_order_and_opt_out_and_overrides() -> None:
+    a, b, c, d = (nn.Parameter(torch.full((4,), v)) for v in (1.0, 2.0, 3.0, 4.0))
+    for p in (a, b, c, d):
+        p.grad = torch.ones(4)
+    optimizer = torch.optim.SGD(
+        [
+            {"params": [a, b]},
+            {"params": [c], "trust": False},
+            {"params": [d], "trust_coefficient": 0.5, "trust_clip": 1.5},
+        ],
+        lr=0.1,
+    )
+    hook = TrustRatio()
+    hook.attach(optimizer)
+    optimizer.step()
+    ratios = [r.tolist() for r in hook.last_ratios]
+    assert ratios[0] == pytest.approx([1.0, 2.0], rel=1e-6)
+    assert ratios[1:] == [[], [1.5]]
+    torch.testing.assert_close(c.detach(), torch.full((4,), 2.9))
+    torch.testing.assert_close(d.detach(), torch.full((4,), 4.0 - 0.15))
+
+
+def test_group_overrides_of_threshold_and_eps() -> None:
+    a, b = nn.Parameter(torch.full((4,), 1.0)), nn.Parameter(torch.full((4,), 1.0))
+    for p in (a, b):
+        p.grad = torch.ones(4)
+    optimizer = torch.optim.SGD(
+        [{"params": [a], "trust_threshold": 5.0}, {"params": [b], "trust_eps": 2.0}], lr=0.1
+    )
+    hook = TrustRatio()
+    hook.attach(optimizer)
+    optimizer.step()
+    assert [r.item() for r in hook.last_ratios] == pytest.approx([1.0, 0.5], rel=1e-6)
+
+
+def test_parameters_without_grad_are_left_alone() -> None:
+    a, b = nn.Parameter(torch.ones(3)), nn.Parameter(torch.ones(3))
+    a.grad = torch.ones(3)
+    optimizer = torch.optim.SGD([a, b], lr=0.1)
+    hook = TrustRatio()
+    hook.attach(optimizer)
+    optimizer.step()
+    assert hook.last_ratios[0].numel() == 1
+    assert torch.equal(b.detach(), torch.ones(3))
+
+
+def test_parameters_of_two_dtypes_in_one_group() -> None:
+    a = nn.Parameter(torch.full((4,), 2.0, dtype=torch.float64))
+    b = nn.Parameter(torch.full((4,), 3.0))
+    for p in (a, b):
+        p.grad = torch.ones_like(p)
+    optimizer = torch.optim.SGD([a, b], lr=0.1, foreach=False)
+    hook = TrustRatio()
+    hook.attach(optimizer)
+    optimizer.step()
+    assert hook.last_ratios[0].dtype == torch.float64
+    assert hook.last_ratios[0].tolist() == pytest.approx([2.0, 3.0], rel=1e-6)
+
+
+@pytest.mark.parametrize("foreach", [None, True, False], ids=["auto", "foreach", "single"])
+def test_foreach_modes_agree(foreach: bool | None) -> None:
+    params, grads = make_params(), make_grads(3)
+    expected, _ = lamb_reference(params, grads, [1e-2] * 3, 0.05)
+    optimizer = torch.optim.AdamW(params, lr=1e-2, betas=BETAS, eps=ADAM_EPS, weight_decay=0.05)
+    hook = TrustRatio(foreach=foreach)
+    hook.attach(optimizer)
+    run_hooked(params, optimizer, grads, hook)
+    for got, want in zip(params, expected, strict=True):
+        assert_close_rel(got.detach(), want, 1e-12)
+
+
+# --- the optimizer and its step ------------------------------------------------------------
+
+
+def test_state_dict_has_no_extra_state() -> None:
+    params, grads = make_params(), make_grads(2)
+    twins = [nn.Parameter(p.detach().clone()) for p in params]
+    optimizer, plain = torch.optim.AdamW(params, lr=1e-2), torch.optim.AdamW(twins, lr=1e-2)
+    hook = TrustRatio()
+    hook.attach(optimizer)
+    run_hooked(params, optimizer, grads, hook)
+    for step_grads in grads:
+        for twin, grad in zip(twins, step_grads, strict=True):
+            twin.grad = grad.clone()
+        plain.step()
+    state, plain_state = optimizer.state_dict(), plain.state_dict()
+    assert state["param_groups"] == plain_state["param_groups"]
+    assert state["state"].keys() == plain_state["state"].keys()
+    for key, value in state["state"].items():
+        assert value.keys() == plain_state["state"][key].keys()
+    assert hook._pending.get(optimizer) is None  # the copies are released after the step
+
+
+def test_handle_removes_both_hooks_and_reattach_works() -> None:
+    params, (grads,) = make_params(), make_grads(1)
+    optimizer = torch.optim.SGD(params, lr=0.1)
+    hook = TrustRatio()
+    handle = hook.attach(optimizer)
+    handle.remove()
+    old = [p.detach().clone() for p in params]
+    run_hooked(params, optimizer, [grads], hook)
+    for param, w, g in zip(params, old, grads, strict=True):
+        torch.testing.assert_close(param.detach(), w - 0.1 * g)
+    assert hook.last_ratios == []
+    assert not optimizer._optimizer_step_post_hooks
+    hook.attach(optimizer)
+
+
+def test_composes_with_gradient_lars() -> None:
+    params, (grads,) = make_params(), make_grads(1)
+    old = [p.detach().clone() for p in params]
+    optimizer = torch.optim.SGD(params, lr=0.1)
+    GradientLARS(eps=0.0).attach(optimizer)
+    TrustRatio().attach(optimizer)
+    run_hooked(params, optimizer, [grads], TrustRatio())
+    # LARS scales g to ||w|| g / ||g||; the trust ratio of that update is ||w|| / ||w|| = 1.
+    for param, w, g in zip(params, old, grads, strict=True):
+        assert_close_rel(param.detach(), w - 0.1 * w.norm() * g / g.norm(), 1e-12)
+
+
+@pytest.mark.parametrize("positional", [False, True], ids=["keyword", "positional"])
+def test_closure_matches_gradients_first(positional: bool) -> None:
+    model = nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 3)).double()
+    twin = copy.deepcopy(model)
+    x = torch.randn(16, 5, dtype=torch.float64)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.05)
+    twin_optimizer = torch.optim.AdamW(twin.parameters(), lr=1e-2, weight_decay=0.05)
+    hook = TrustRatio()
+    hook.attach(optimizer)
+    TrustRatio().attach(twin_optimizer)
+    calls = []
+
+    def closure() -> Tensor:
+        calls.append(1)
+        optimizer.zero_grad(set_to_none=True)  # no gradient exists before the closure runs
+        loss = model(x).square().mean()
+        loss.backward()
+        return loss
+
+    for _ in range(3):
+        loss = optimizer.step(closure) if positional else optimizer.step(closure=closure)
+        twin_optimizer.zero_grad()
+        twin_loss = twin(x).square().mean()
+        twin_loss.backward()
+        twin_optimizer.step()
+        torch.testing.assert_close(loss, twin_loss)
+    assert len(calls) == 3
+    assert hook.last_ratios[0].numel() == 4
+    for a, b in zip(model.parameters(), twin.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=0)
+
+
+# --- AMP -----------------------------------------------------------------------------------
+
+
+def mlp() -> nn.Module:
+    return nn.Sequential(nn.Linear(5, 8), nn.ReLU(), nn.Linear(8, 3))
+
+
+def test_fused_adamw_under_grad_scaler_matches_unscaled() -> None:
+    def make(fused: bool) -> Callable[[nn.Module], torch.optim.Optimizer]:
+        def build(m: nn.Module) -> torch.optim.Optimizer:
+            optimizer = torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.05, fused=fused)
+            TrustRatio().attach(optimizer)
+            return optimizer
+
+        return build
+
+    assert_grad_scaler_matches_unscaled(
+        mlp(), torch.randn(16, 5), make(True), make(False), rtol=1e-5, atol=1e-6
+    )
+
+
+def overflowing_step(fused: bool) -> tuple[nn.Module, list[Tensor], TrustRatio, Any]:
+    model = mlp()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.05, fused=fused)
+    hook = TrustRatio()
+    hook.attach(optimizer)
+    before = [p.detach().clone() for p in model.parameters()]
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    scaler.scale(model(torch.randn(16, 5)).square().mean()).backward()
+    model[0].weight.grad[0, 0] = math.inf
+    scaler.step(optimizer)
+    scaler.update()
+    return model, before, hook, optimizer
+
+
+def test_skipped_non_fused_step_runs_neither_hook() -> None:
+    model, before, hook, optimizer = overflowing_step(fused=False)
+    assert hook.last_ratios == []  # the post-hook never ran
+    assert hook._pending.get(optimizer) is None  # nor did the pre-hook
+    for param, old in zip(model.parameters(), before, strict=True):
+        assert torch.equal(param.detach(), old)
+
+
+def test_skipped_fused_step_changes_nothing() -> None:
+    model, before, hook, optimizer = overflowing_step(fused=True)
+    assert [r.tolist() for r in hook.last_ratios] == [[1.0] * 4]
+    for param, old in zip(model.parameters(), before, strict=True):
+        assert torch.equal(param.detach(), old)
+        assert optimizer.state[param]["step"].item() == 0
+
+
+def test_bf16_autocast_with_float32_parameters() -> None:
+    """Mixed precision the supported way: float32 parameters, bf16 compute."""
+    model = mlp()
+    twin = copy.deepcopy(model)
+    x = torch.randn(16, 5)
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=1e-2, betas=BETAS, eps=ADAM_EPS, weight_decay=0.05
+    )
+    hook = TrustRatio()
+    hook.attach(optimizer)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        model(x).float().square().mean().backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    optimizer.step()
+    expected, _ = lamb_reference(list(twin.parameters()), [grads], [1e-2], 0.05)
+    for got, want in zip(model.parameters(), expected, strict=True):
+        assert_close_rel(got.detach().double(), want, 1e-5)
+
+
+# --- precision -----------------------------------------------------------------------------
+
+
+def ulps_of_max(actual: Tensor, truth: Tensor) -> float:
+    """|actual - truth| in units in the last place of max |truth| in actual's dtype."""
+    largest = truth.abs().max().to(actual.dtype)
+    ulp = torch.nextafter(largest, torch.tensor(math.inf, dtype=actual.dtype)) - largest
+    return ((actual.double() - truth).abs().max() / ulp.double()).item()
+
+
+@pytest.mark.parametrize("scale", [0.02, 1.0, 30.0], ids=["r~0.02", "r~1", "r~30"])
+@pytest.mark.parametrize("lr", [1e-2, 1e-4])
+def test_float32_step_within_ratio_plus_one_ulps_of_float64(scale: float, lr: float) -> None:
+    """The difference w_new - w_old carries the optimizer's rounding, which r multiplies."""
+    generator = torch.Generator().manual_seed(3)
+    shapes = [(64, 32), (256,), (32, 64, 3)]
+    params = [nn.Parameter(scale * torch.randn(s, generator=generator)) for s in shapes]
+    grads = [torch.randn(s, generator=generator) for s in shapes]
+    expected, ratios = lamb_reference(params, [grads], [lr], 1e-2)
+    optimizer = torch.optim.AdamW(params, lr=lr, betas=BETAS, eps=ADAM_EPS, weight_decay=1e-2)
+    hook = TrustRatio()
+    hook.attach(optimizer)
+    run_hooked(params, optimizer, [grads], hook)
+    for param, want, ratio in zip(params, expected, ratios[0], strict=True):
+        assert ulps_of_max(param.detach(), want) <= ratio + 1
+
+
+def test_float32_trajectory_drift_from_float64() -> None:
+    """Twenty steps: the drift is at most the sum of the per-step bounds."""
+    generator = torch.Generator().manual_seed(4)
+    shapes = [(64, 32), (256,)]
+    params = [nn.Parameter(torch.randn(s, generator=generator)) for s in shapes]
+    grads = [[torch.randn(s, generator=generator) for s in shapes] for _ in range(20)]
+    expected, ratios = lamb_reference(params, grads, [1e-3] * 20, 1e-2)
+    optimizer = torch.optim.AdamW(params, lr=1e-3, betas=BETAS, eps=ADAM_EPS, weight_decay=1e-2)
+    hook = TrustRatio()
+    hook.attach(optimizer)
+    run_hooked(params, optimizer, grads, hook)
+    for i, (param, want) in enumerate(zip(params, expected, strict=True)):
+        assert ulps_of_max(param.detach(), want) <= sum(r[i] + 1 for r in ratios)
+
+
+# --- no host sync --------------------------------------------------------------------------
+
+
+def test_hooks_trace_without_graph_breaks() -> None:
+    """fullgraph=True fails on .item() or Python branches on tensor values."""
+    torch._dynamo.reset()
+    params, (grads,) = make_params(torch.float32), make_grads(1, torch.float32)
+    for param, grad in zip(params, grads, strict=True):
+        param.grad = grad
+    old = [p.detach().clone() for p in params]
+    optimizer = torch.optim.SGD(params, lr=0.1)
+    hook = TrustRatio(threshold=0.1, eps=1e-3, clip=5.0)
+    hook.attach(optimizer)
+    torch.compile(hook._pre_step, backend="aot_eager", fullgraph=True)(optimizer, (optimizer,), {})
+    with torch.no_grad():
+        for param, grad in zip(params, grads, strict=True):
+            param.sub_(0.1 * grad)  # the optimizer's step, by hand
+    torch.compile(hook._after_step, backend="aot_eager", fullgraph=True)(
+        optimizer, (optimizer,), {}
+    )
+    for param, w, g in zip(params, old, grads, strict=True):
+        ratio = guarded_ratio(w.norm().item(), g.norm().item(), 0.1, 1e-3, clip=5.0)
+        torch.testing.assert_close(param.detach(), w - 0.1 * ratio * g)
+
+
+# --- errors --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"threshold": -1.0}, ValueError, r"threshold must be non-negative, got threshold=-1.0"),
+        ({"eps": -1e-9}, ValueError, r"eps must be non-negative, got eps=-1e-09"),
+        ({"eps": math.nan}, ValueError, r"eps must be finite, got eps=nan"),
+        ({"trust_coefficient": 0.0}, ValueError, r"trust_coefficient must be positive"),
+        ({"clip": 0.0}, ValueError, r"clip must be positive, got clip=0.0"),
+        ({"clip": True}, TypeError, r"clip must be a real number, got clip=True"),
+        ({"threshold": "1"}, TypeError, r"threshold must be a real number, got threshold='1'"),
+        ({"foreach": 1}, TypeError, r"foreach must be a bool or None, got foreach=1"),
+    ],
+    ids=["threshold", "eps", "eps-nan", "coefficient", "clip", "clip-bool", "str", "foreach"],
+)
+def test_constructor_errors(kwargs: dict[str, Any], error: type[Exception], match: str) -> None:
+    with pytest.raises(error, match=match):
+        TrustRatio(**kwargs)
+
+
+def test_attach_errors() -> None:
+    with pytest.raises(TypeError, match=r"optimizer must be a torch\.optim\.Optimizer, got list"):
+        TrustRatio().attach([])  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="TrustRatio cannot be attached to LBFGS"):
+        TrustRatio().attach(torch.optim.LBFGS(make_params()))
+    optimizer = torch.optim.AdamW(make_params())
+    hook = TrustRatio()
+    hook.attach(optimizer)
+    with pytest.raises(RuntimeError, match="this TrustRatio is already attached"):
+        hook.attach(optimizer)
+    with pytest.raises(RuntimeError, match=r"another TrustRatio .* is already attached"):
+        TrustRatio().attach(optimizer)
+
+
+@pytest.mark.parametrize(
+    ("group", "error", "match"),
+    [
+        ({"trust": 1}, TypeError, r'param group 0: "trust" must be a bool, got "trust"=1'),
+        ({"trust_clp": 1.0}, ValueError, r"param group 0: unknown key 'trust_clp'; expected"),
+        ({"trust_eps": -1.0}, ValueError, r"param group 0: trust_eps must be non-negative"),
+        ({"trust_clip": 0.0}, ValueError, r"param group 0: trust_clip must be positive"),
+        ({"trust_coefficient": -1.0}, ValueError, r"trust_coefficient must be positive"),
+        ({"lr": None}, ValueError, r'learning rate, .* but the group has "lr"=None'),
+        ({"lr": -0.1}, ValueError, r'but the group has "lr"=-0.1'),
+    ],
+    ids=["flag", "unknown", "eps", "clip", "coefficient", "lr-none", "lr-negative"],
+)
+def test_bad_groups_refused_at_attach(
+    group: dict[str, Any], error: type[Exception], match: str
+) -> None:
+    optimizer = torch.optim.SGD(make_params(), lr=0.1)
+    optimizer.param_groups[0].update(group)
+    with pytest.raises(error, match=match):
+        TrustRatio().attach(optimizer)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_half_precision_parameters_refused(dtype: torch.dtype) -> None:
+    optimizer = torch.optim.AdamW(
+        [nn.Parameter(torch.ones(2)), nn.Parameter(torch.ones(2, dtype=dtype))]
+    )
+    with pytest.raises(
+        TypeError, match=rf"param group 0: parameter 1 is {dtype}; TrustRatio needs"
+    ):
+        TrustRatio().attach(optimizer)
+
+
+def test_half_precision_group_may_opt_out() -> None:
+    low = nn.Parameter(torch.ones(2, dtype=torch.bfloat16))
+    optimizer = torch.optim.SGD([{"params": [low], "trust": False}], lr=0.1)
+    TrustRatio().attach(optimizer)
+    low.grad = torch.ones(2, dtype=torch.bfloat16)
+    optimizer.step()
+    assert torch.equal(low.detach(), torch.full((2,), 0.9, dtype=torch.bfloat16))
+
+
+def test_bad_group_added_later_refused_before_the_closure_and_nothing_changes() -> None:
+    params = make_params()
+    optimizer = torch.optim.SGD(params, lr=0.1)
+    TrustRatio().attach(optimizer)
+    optimizer.add_param_group({"params": [nn.Parameter(torch.ones(2, dtype=torch.float16))]})
+    before = [p.detach().clone() for p in params]
+    calls = []
+
+    def closure() -> Tensor:
+        calls.append(1)
+        return torch.zeros(())
+
+    with pytest.raises(TypeError, match=r"param group 1: parameter 0 is torch\.float16"):
+        optimizer.step(closure)
+    assert calls == []
+    for param, old in zip(params, before, strict=True):
+        assert torch.equal(param.detach(), old)
+
+
+def test_sparse_gradient_refused_and_nothing_changes() -> None:
+    embedding = nn.Embedding(5, 3, sparse=True)
+    before = embedding.weight.detach().clone()
+    optimizer = torch.optim.SGD(embedding.parameters(), lr=0.1)
+    TrustRatio().attach(optimizer)
+    embedding(torch.tensor([1, 2])).sum().backward()
+    with pytest.raises(
+        ValueError, match=r"has a torch\.sparse_coo gradient; TrustRatio needs dense"
+    ):
+        optimizer.step()
+    assert torch.equal(embedding.weight.detach(), before)
+
+
+def test_duplicate_tensor_refused() -> None:
+    param = nn.Parameter(torch.ones(2))
+    param.grad = torch.ones(2)
+    optimizer = torch.optim.SGD([param], lr=0.1)
+    TrustRatio().attach(optimizer)
+    optimizer.param_groups[0]["params"].append(param)
+    with pytest.raises(ValueError, match="parameter 1 of param group 0 is the same tensor as"):
+        optimizer.step()
+    assert torch.equal(param.detach(), torch.ones(2))
+
+
+def test_properties_and_repr() -> None:
+    hook = TrustRatio(0.5, 1e-3, trust_coefficient=0.1, clip=2.0)
+    assert (hook.threshold, hook.eps, hook.trust_coefficient, hook.clip) == (0.5, 1e-3, 0.1, 2.0)
+    assert repr(hook) == "TrustRatio(threshold=0.5, eps=0.001, trust_coefficient=0.1, clip=2.0)"
