@@ -606,12 +606,18 @@ def test_pairing_separates_what_the_spread_across_seeds_hides() -> None:
         "sgd-small": [fake("sgd-small", a + 0.02) for a in base],
         "sgd-large": [fake("sgd-large", a) for a in base],
         "lars-large": [fake("lars-large", a + 0.01 + 0.001 * i) for i, a in enumerate(base)],
+        "adamw-large": [fake("adamw-large", a) for a in base],
+        "lamb-large": [fake("lamb-large", a - 0.01 - 0.001 * i) for i, a in enumerate(base)],
     }
     result = experiments.ExperimentResult(lars, (0, 1, 2, 3), runs)
     unpaired = [result.summary(n, "test_accuracy") for n in ("sgd-large", "lars-large")]
     assert unpaired[0].high > unpaired[1].low  # the separate intervals overlap
     outcomes = {c.claim.candidate: c.outcome for c in result.comparisons() if c.claim.claimed}
-    assert outcomes == {"sgd-large": "reproduced", "lars-large": "reproduced"}
+    assert outcomes == {
+        "sgd-large": "reproduced",
+        "lars-large": "reproduced",
+        "lamb-large": "contradicted",
+    }
 
 
 def test_early_training_loss_is_the_mean_of_the_first_epochs() -> None:
@@ -720,3 +726,21 @@ def test_seed_shifts_the_seeds(tmp_path: Path) -> None:
         5,
         6,
     ]
+
+
+def test_lamb_row_steps_every_weight_by_lr_times_its_norm() -> None:
+    """The LAMB row is AdamW with the trust ratio on the weights: each weight's step is
+    lr * ||w|| long, whatever AdamW's own step; biases and gains keep AdamW's step."""
+    rows = {c.name: c for c in experiments.large_batch().configurations}
+    model = rows["lamb-large"].build_model(1, 10)
+    optimizer = rows["lamb-large"].build_optimizer(model)
+    x, y = torch.randn(16, 1, 8, 8), torch.randint(0, 10, (16,))
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    nn.functional.cross_entropy(model(x), y).backward()
+    optimizer.step()
+    weights = [n for n, p in model.named_parameters() if p.ndim > 1]
+    assert weights
+    for name in weights:
+        step = (model.get_parameter(name).detach() - before[name]).norm()
+        expected = experiments.LAMB_LR * before[name].norm()
+        torch.testing.assert_close(step, expected, rtol=1e-4, atol=0)
