@@ -383,10 +383,12 @@ class AdaptiveGradientClipping(GradientHook[AGCSettings]):
 
     @property
     def clipping(self) -> float:
+        """The largest ratio ``||G_i|| / max(||W_i||, eps)`` left unclipped."""
         return self._settings.clipping
 
     @property
     def eps(self) -> float:
+        """The smallest weight norm a unit is compared with."""
         return self._settings.eps
 
     def __repr__(self) -> str:

@@ -399,22 +399,27 @@ class GradientLARS(GradientHook[LARSSettings]):
 
     @property
     def threshold(self) -> float:
+        """Parameters whose norm is at most this keep rate 1."""
         return self._settings.threshold
 
     @property
     def weight_decay(self) -> float:
+        """The L2 decay added to each gradient before scaling."""
         return self._settings.weight_decay
 
     @property
     def eps(self) -> float:
+        """Added to the denominator of the local rate."""
         return self._settings.eps
 
     @property
     def trust_coefficient(self) -> float:
+        """Multiplies the local rate."""
         return self._settings.trust_coefficient
 
     @property
     def clip(self) -> bool:
+        """Whether LARC's clipping mode is on."""
         return self._settings.clip
 
     def __repr__(self) -> str:

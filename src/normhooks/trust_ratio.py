@@ -344,18 +344,22 @@ class TrustRatio(GradientHook[TrustRatioSettings]):
 
     @property
     def threshold(self) -> float:
+        """Parameters whose norm is at most this keep ratio 1."""
         return self._settings.threshold
 
     @property
     def eps(self) -> float:
+        """Added to the update's norm in the ratio's denominator."""
         return self._settings.eps
 
     @property
     def trust_coefficient(self) -> float:
+        """Multiplies the ratio."""
         return self._settings.coefficient
 
     @property
     def clip(self) -> float | None:
+        """The cap on the ratio, or None."""
         return self._settings.clip
 
     def __repr__(self) -> str:
