@@ -704,3 +704,19 @@ def test_agc_param_groups_errors() -> None:
         agc_param_groups(mlp(), exclude=3)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match=r"exclude must return a bool, got torch.Tensor"):
         agc_param_groups(mlp(), exclude=lambda _, p: p.sum() > 0)  # type: ignore[arg-type,return-value]
+
+
+def test_fused_grad_scaler_with_float64_default_dtype() -> None:
+    """The flags AGC makes for GradScaler's op are float32 whatever the default dtype."""
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        model = nn.Linear(3, 2).float()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1, fused=True)
+        AdaptiveGradientClipping().attach(optimizer)
+        scaler = torch.amp.GradScaler("cpu", init_scale=8.0)
+        scaler.scale(model(torch.randn(4, 3, dtype=torch.float32)).sum()).backward()
+        scaler.step(optimizer)
+    finally:
+        torch.set_default_dtype(default)
+    assert all(torch.isfinite(p).all() for p in model.parameters())

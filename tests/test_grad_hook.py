@@ -16,7 +16,7 @@ import torch
 from torch import Tensor, nn
 
 from helpers import assert_grad_scaler_matches_unscaled
-from normhooks import GradientLARS
+from normhooks import AdaptiveGradientClipping, GradientLARS
 from normhooks._checks import positive
 from normhooks._grad_hook import GradientHook, apply_to_parameters_, inverse_scale
 
@@ -155,3 +155,75 @@ def test_closure_is_evaluated_once_by_the_hook() -> None:
             param.sub_(0.2 * param.grad)
     for got, expected in zip(net.parameters(), plain.parameters(), strict=True):
         torch.testing.assert_close(got, expected)
+
+
+# --- found in review: each of these was silently wrong or left state behind ----------------
+
+
+def test_a_parameter_in_two_groups_is_refused_not_scaled_twice() -> None:
+    w = torch.nn.Parameter(torch.randn(3, 3))
+    optimizer = torch.optim.SGD([w], lr=0.1)
+    GradientLARS().attach(optimizer)
+    optimizer.param_groups.append({**optimizer.param_groups[0], "params": [w]})
+    w.grad = torch.ones(3, 3)
+    with pytest.raises(ValueError, match=r"parameter 0 of param group 1 is the same tensor"):
+        optimizer.step()
+    torch.testing.assert_close(w.grad, torch.ones(3, 3), rtol=0, atol=0)
+
+
+def test_a_subclass_cannot_apply_the_same_technique_twice() -> None:
+    class MyLARS(GradientLARS):
+        pass
+
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.randn(2, 2))], lr=0.1)
+    GradientLARS().attach(optimizer)
+    with pytest.raises(RuntimeError, match="already attached"):
+        MyLARS().attach(optimizer)
+
+
+def test_an_error_in_a_later_hook_leaves_the_gradients_of_every_hook_unchanged() -> None:
+    w, v = torch.nn.Parameter(torch.randn(3, 3)), torch.nn.Parameter(torch.randn(3))
+    optimizer = torch.optim.SGD([w], lr=0.1)
+    GradientLARS(weight_decay=0.1).attach(optimizer)
+    AdaptiveGradientClipping().attach(optimizer)
+    optimizer.add_param_group({"params": [v], "agc_clipping": -1.0})
+    w.grad, v.grad = torch.ones(3, 3), torch.ones(3)
+    with pytest.raises(ValueError, match="clipping must be positive"):
+        optimizer.step()
+    torch.testing.assert_close(w.grad, torch.ones(3, 3), rtol=0, atol=0)
+
+
+def test_float8_parameters_are_refused_at_attach() -> None:
+    w = torch.nn.Parameter(torch.ones(2, 2).to(torch.float8_e4m3fn), requires_grad=False)
+    with pytest.raises(
+        TypeError,
+        match=r"must be a real floating-point tensor \(float16, bfloat16, float32 or float64\)",
+    ):
+        GradientLARS().attach(torch.optim.SGD([w], lr=0.1))
+
+
+def test_an_error_inside_grad_scaler_step_leaves_no_scale_for_the_next_step() -> None:
+    """GradScaler deletes what it set on a fused optimizer only after a step that returns."""
+    torch.manual_seed(0)
+    w, b = torch.nn.Parameter(torch.randn(3, 3)), torch.nn.Parameter(torch.randn(3))
+    optimizer = torch.optim.SGD(
+        [{"params": [w]}, {"params": [b], "lars": False}], lr=1.0, fused=True
+    )
+    GradientLARS().attach(optimizer)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    x = torch.randn(4, 3)
+
+    def backward() -> None:
+        optimizer.zero_grad()
+        scaler.scale((x @ w + b).square().mean()).backward()
+
+    optimizer.param_groups[0]["lars_eps"] = -1.0
+    backward()
+    with pytest.raises(ValueError, match="eps must be non-negative"):
+        scaler.step(optimizer)
+    assert "grad_scale" not in vars(optimizer)
+    optimizer.param_groups[0]["lars_eps"] = 1e-9
+    backward()
+    expected = b.detach() - b.grad / 1024.0
+    scaler.step(optimizer)
+    torch.testing.assert_close(b.detach(), expected)

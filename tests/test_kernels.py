@@ -652,3 +652,32 @@ def test_kernels_compile_for_sm90() -> None:
         [sys.executable, "-c", COMPILE_ALL], env=env, capture_output=True, text=True, check=False
     )
     assert result.returncode == 0, result.stderr[-3000:]
+
+
+def test_lars_table_cache_is_safe_across_threads(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Optimizer steps in several threads share the cache; eviction must not break lookups.
+
+    Tables only (Triton's interpreter is not thread-safe itself): building and finding them
+    is what the threads share.
+    """
+    import threading
+
+    monkeypatch.setattr(lars_kernels, "_CACHE_SIZE", 2)
+    errors: list[BaseException] = []
+
+    def lookups(seed: int) -> None:
+        generator = torch.Generator().manual_seed(seed)
+        tensors = [torch.randn(4, generator=generator) for _ in range(8)]
+        try:
+            for i in range(200):
+                pair = [tensors[i % 4]], [tensors[4 + i % 4]]
+                lars_kernels._table(*pair)
+        except BaseException as error:
+            errors.append(error)
+
+    threads = [threading.Thread(target=lookups, args=(seed,)) for seed in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors

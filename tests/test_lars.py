@@ -906,12 +906,11 @@ def test_duplicate_tensor_named_by_its_place_in_the_optimizer() -> None:
     unused, param = nn.Parameter(torch.ones(2)), param_with_grad(3, 3)
     with pytest.warns(UserWarning, match="duplicate parameters"):
         optimizer = torch.optim.SGD([unused, param, param], lr=0.1)
-    GradientLARS().attach(optimizer)
     with pytest.raises(
         ValueError,
         match=r"parameter 2 of param group 0 is the same tensor as parameter 1 of param group 0",
     ):
-        optimizer.step()
+        GradientLARS().attach(optimizer)
 
 
 def test_bad_group_refused_before_the_closure_runs() -> None:

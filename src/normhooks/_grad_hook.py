@@ -127,14 +127,16 @@ def unscale_and_check_(
 
 # --- checks --------------------------------------------------------------------------------
 
+_SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
 
 def check_param(param: object, where: str, technique: str) -> Tensor:
     if not isinstance(param, Tensor):
         raise TypeError(f"{where} must be a torch.Tensor, got {type(param).__name__}")
-    if not param.is_floating_point():
+    if param.dtype not in _SUPPORTED_DTYPES:
         raise TypeError(
-            f"{where} must be a real floating-point tensor, got dtype {param.dtype}; "
-            f"{technique} is defined for real parameters only"
+            f"{where} must be a real floating-point tensor (float16, bfloat16, float32 or "
+            f"float64), got dtype {param.dtype}; {technique} is defined for these only"
         )
     return param
 
@@ -401,10 +403,10 @@ def apply_to_parameters_(
 
 # --- the hook ------------------------------------------------------------------------------
 
-# Which hook of each class is attached to an optimizer: two of one class would apply the same
-# technique twice, silently.
+# Which hook of each technique (by its prefix) is attached to an optimizer: two of one
+# technique would apply it twice, silently.
 _ATTACHED: weakref.WeakKeyDictionary[
-    torch.optim.Optimizer, dict[type[Any], tuple[Any, RemovableHandle]]
+    torch.optim.Optimizer, dict[str, tuple[Any, RemovableHandle]]
 ] = weakref.WeakKeyDictionary()
 
 
@@ -511,7 +513,8 @@ class GradientHook(Generic[S]):
                 "per step, and the hook can only rewrite the gradients of one evaluation"
             )
         attached = _ATTACHED.setdefault(optimizer, {})
-        previous = attached.get(type(self))
+        # Keyed by the technique's prefix, so a subclass cannot slip in a second one either.
+        previous = attached.get(self.prefix)
         if previous is not None and compat.is_handle_registered(previous[1]):
             if previous[0] is self:
                 raise RuntimeError(
@@ -527,18 +530,27 @@ class GradientHook(Generic[S]):
         handle = optimizer.register_step_pre_hook(self._pre_step)
         if type(self)._after_step is not GradientHook._after_step:
             handle = _HookPair(handle, optimizer.register_step_post_hook(self._after_step))
-        attached[type(self)] = (self, handle)
+        attached[self.prefix] = (self, handle)
         return handle
 
     def _check_optimizer(self, optimizer: torch.optim.Optimizer) -> list[S | None]:
         """Every param group's settings (None where it opts out), after checking its params."""
         settings_of = []
+        seen: dict[int, tuple[int, int]] = {}
         for index, group in enumerate(optimizer.param_groups):
             settings_of.append(self._group_settings(optimizer, group, index))
             for position, param in enumerate(group["params"]):
-                if not isinstance(param, Tensor) or not param.is_floating_point():
+                if not isinstance(param, Tensor) or param.dtype not in _SUPPORTED_DTYPES:
                     check_param(
                         param, f"parameter {position} of param group {index}", self.technique
+                    )
+                first = seen.setdefault(id(param), (index, position))
+                if first != (index, position):
+                    # torch's add_param_group refuses this, but param_groups can be edited.
+                    raise ValueError(
+                        f"parameter {position} of param group {index} is the same tensor as "
+                        f"parameter {first[1]} of param group {first[0]}; {self.technique} "
+                        "would scale its gradient twice"
                     )
         return settings_of
 
@@ -590,8 +602,26 @@ class GradientHook(Generic[S]):
                 f"deprecated GradScaler protocol); {name} cannot tell whether those "
                 "gradients are scaled. Use an optimizer without a grad_scaler parameter"
             )
+        try:
+            return self._checked_pre_step(optimizer, args, kwargs)
+        except BaseException:
+            # GradScaler deletes the attributes it set on a fused optimizer only after a step
+            # that returns; left behind, they would make the next step divide by the scale
+            # twice.
+            compat.drop_grad_scaler_attributes(optimizer)
+            raise
+
+    def _checked_pre_step(
+        self, optimizer: torch.optim.Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+        name = type(self).__name__
         # Everything that does not depend on the gradients is checked before the closure runs,
-        # so a bad param group leaves the model untouched.
+        # for every hook on this optimizer, so a bad param group leaves the model untouched
+        # whichever hook it concerns (hooks run one after the other).
+        if not torch.compiler.is_compiling():
+            for hook, handle in list(_ATTACHED.get(optimizer, {}).values()):
+                if hook is not self and compat.is_handle_registered(handle):
+                    hook._check_optimizer(optimizer)
         settings_of = self._check_optimizer(optimizer)
         closure, args, kwargs = _take_closure(args, kwargs)
         loss = None

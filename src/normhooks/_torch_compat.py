@@ -195,3 +195,14 @@ def plain_eager(*tensors: Tensor) -> bool:
         and not functorch_transform_active()
         and not dispatch_mode_active()
     )
+
+
+def drop_grad_scaler_attributes(optimizer: torch.optim.Optimizer) -> None:
+    """Deletes what ``GradScaler.step`` set on a fused optimizer (2.11, 2.13).
+
+    GradScaler deletes ``grad_scale`` and ``found_inf`` only after a step that returns; after
+    a step that raised, a later one would multiply the leftover scale into its own.
+    """
+    for name in ("grad_scale", "found_inf"):
+        if name in vars(optimizer):
+            delattr(optimizer, name)

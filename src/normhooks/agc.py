@@ -117,8 +117,10 @@ def agc_unit_(
     inv_scale = None if grad_scale is None else inverse_scale(grad_scale, device)
     sources = grads
     if found_inf is not None or inv_scale is not None:
-        flag = torch.zeros((), device=device) if found_inf is None else found_inf
-        one = torch.ones((), device=device)
+        flag = (
+            torch.zeros((), device=device, dtype=torch.float32) if found_inf is None else found_inf
+        )
+        one = torch.ones((), device=device, dtype=torch.float32)
         if half and inv_scale is not None:
             unscale_and_check_(grads, flag, one, foreach)
             sources = [g.float().mul_(inv_scale) for g in grads]

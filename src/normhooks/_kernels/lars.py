@@ -12,6 +12,7 @@ sums in a fixed order (deterministic, no float atomics), computes the tensor's r
 
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 
@@ -203,6 +204,8 @@ class _Table:
 
 
 _tables: OrderedDict[tuple[object, ...], _Table] = OrderedDict()
+# Optimizer steps may run in several threads (one model per thread); the table cache is shared.
+_tables_lock = threading.Lock()
 
 
 def _table(params: Sequence[Tensor], grads: Sequence[Tensor]) -> _Table:
@@ -214,16 +217,19 @@ def _table(params: Sequence[Tensor], grads: Sequence[Tensor]) -> _Table:
         tuple(map(Tensor.data_ptr, grads)),
         tuple(map(Tensor.numel, params)),
     )
-    table = _tables.get(key)
-    if table is None:
-        # Checked once per set of tensors: torch keeps a .grad of its parameter's shape,
-        # dtype and device, so a set found again by address has passed already.
-        _check(params, grads)
-        table = _tables[key] = _Table(params, grads, _CHUNK)
+    with _tables_lock:
+        table = _tables.get(key)
+        if table is not None:
+            _tables.move_to_end(key)
+            return table
+    # Checked once per set of tensors: torch keeps a .grad of its parameter's shape, dtype
+    # and device, so a set found again by address has passed already.
+    _check(params, grads)
+    table = _Table(params, grads, _CHUNK)
+    with _tables_lock:
+        _tables[key] = table
         if len(_tables) > _CACHE_SIZE:
             _tables.popitem(last=False)
-    else:
-        _tables.move_to_end(key)
     return table
 
 
