@@ -9,6 +9,7 @@ from collections.abc import Callable
 import pytest
 import torch
 from torch import nn
+from torch.nn.utils import parametrize
 
 from normhooks import (
     apply_weight_norm,
@@ -327,3 +328,19 @@ def test_ddi_names_torchs_weight_norm() -> None:
         data_dependent_init(model, torch.randn(8, 3))
     apply_weight_norm(model)
     data_dependent_init(model, torch.randn(8, 3))
+
+
+def test_a_parametrized_bias_is_refused() -> None:
+    """DDI sets the bias directly; through a parametrization the layers after it would be
+    initialized on outputs the model never produces."""
+
+    class Shift(nn.Module):
+        def forward(self, bias: torch.Tensor) -> torch.Tensor:
+            return bias + 1.0
+
+    model = apply_weight_norm(nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 2)))
+    parametrize.register_parametrization(model[0], "bias", Shift())
+    g = model[0].parametrizations.weight.original0.detach().clone()
+    with pytest.raises(ValueError, match=r"bias has a parametrization"):
+        data_dependent_init(model, torch.randn(64, 4))
+    torch.testing.assert_close(model[0].parametrizations.weight.original0, g, rtol=0, atol=0)

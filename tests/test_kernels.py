@@ -636,6 +636,24 @@ for name, flag in (("fp32", False), ("fp16", True), ("bf16", False), ("fp64", Tr
     build(ws._backward,
           {"grad_y": p, "x": p, "gain": p, "means": a, "rstds": a, "grad_x": p,
            "grad_gain": p}, strides, {"acc": acc, "block": 1024, "has_gain": not flag})
+
+# The launcher turns an int argument equal to 1 into a constant unless told not to: every
+# kernel must compile with each of its int arguments that it lets be specialized equal to 1
+# (rows of one element, one row, unit strides).
+p = a = "*fp32"
+ws_pointers = {"x": p, "gain": p, "y": p, "means": a, "rstds": a, "grad_y": p, "grad_x": p,
+               "grad_gain": p}
+for fn, pointers, scalars in (
+    (wn._forward, {"v": p, "g": p, "w": p, "norms": a}, rows),
+    (wn._backward, {"grad_w": p, "v": p, "g": p, "norms": a, "grad_v": p, "grad_g": p}, rows),
+    (ws._forward, ws_pointers, strides),
+    (ws._backward, ws_pointers, strides),
+):
+    ones = {q.name: 1 for q in fn.params
+            if scalars.get(q.name) == "i32" and not q.do_not_specialize}
+    flags = {"row_is_contiguous": False} if fn in (wn._forward, wn._backward) else {
+        "has_gain": True}
+    build(fn, pointers, scalars, {"acc": tl.float32, "block": 16, **flags, **ones})
 """
 
 

@@ -1160,3 +1160,33 @@ def test_jit_trace_does_not_bake_the_fast_path_check() -> None:
     with torch.no_grad():
         model[0].parametrizations.weight.original1[1].zero_()  # a zero row: another path
         torch.testing.assert_close(traced(x), model(x))
+
+
+# --- found in review ------------------------------------------------------------------------
+
+
+@pytest.mark.filterwarnings("ignore:Initializing zero-element tensors is a no-op")
+def test_a_layer_without_output_rows_computes_an_empty_weight() -> None:
+    """torch's fused kernel divides by the row count; a 0-row layer stays off it."""
+    layer = weight_norm(nn.Linear(3, 0))
+    assert layer.weight.shape == (0, 3)
+    layer(torch.randn(2, 3)).sum().backward()
+
+
+def test_a_layer_called_twice_is_not_a_tie() -> None:
+    shared = nn.Linear(3, 3)
+    model = apply_weight_norm(nn.Sequential(shared, nn.Tanh(), shared))
+    assert parametrize.is_parametrized(shared, "weight")
+    model(torch.randn(2, 3))
+
+
+def test_lazy_standardization_then_weight_norm_is_refused_at_entry() -> None:
+    layer = weight_standardization(nn.LazyLinear(3))
+    with pytest.raises(ValueError, match=r"another parametrization at its first forward"):
+        weight_norm(layer)
+    layer(torch.randn(2, 4))
+
+
+def test_a_lazy_bias_is_refused_at_entry() -> None:
+    with pytest.raises(ValueError, match=r"Linear\.bias has 1 dimension"):
+        weight_norm(nn.LazyLinear(3), "bias")

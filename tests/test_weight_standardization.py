@@ -764,3 +764,53 @@ def test_inductor_gradients_of_a_multi_block_model_match_float64_eager() -> None
     assert len(compiled) == len(truth) == 17
     for got, want in zip(compiled, truth, strict=True):
         assert ((got - want).norm() / want.norm()).item() < 1e-4
+
+
+# --- found in review ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("scaled", [False, True], ids=["ws", "scaled"])
+def test_baking_tied_weights_is_refused_not_applied_twice(scaled: bool) -> None:
+    a, b = nn.Conv2d(3, 4, 3), nn.Conv2d(3, 4, 3)
+    b.weight = a.weight
+    model = apply_weight_standardization(nn.Sequential(a, b), scaled=scaled)
+    x = torch.randn(1, 3, 5, 5)
+    before = [a(x), b(x)]
+    with pytest.raises(ValueError, match=r"0.weight and 1.weight standardize the same raw"):
+        remove_weight_standardization(model)
+    torch.testing.assert_close(a(x), before[0], rtol=0, atol=0)
+    torch.testing.assert_close(b(x), before[1], rtol=0, atol=0)
+    remove_weight_standardization(model, bake=False)
+    assert a.weight is b.weight
+
+
+def test_groups_need_the_output_axis_of_a_transposed_layout() -> None:
+    with pytest.raises(ValueError, match=r"groups=2 splits axis 0.*got dim=0"):
+        standardize_weight(torch.randn(4, 3, 3, 3), 0, groups=2)
+    with pytest.raises(ValueError, match=r"axis 0 divisible by groups"):
+        standardize_weight(torch.randn(3, 4, 3, 3), 1, groups=2)
+    layer = nn.Conv2d(4, 4, 3)
+    with pytest.raises(ValueError, match="groups=2 splits axis 0"):
+        parametrize.register_parametrization(layer, "weight", WeightStandardization(groups=2))
+    assert not parametrize.is_parametrized(layer)
+
+
+@pytest.mark.filterwarnings("ignore:Initializing zero-element tensors is a no-op")
+@pytest.mark.parametrize("make", [lambda: nn.Conv2d(3, 0, 3), lambda: nn.Linear(3, 0)])
+def test_a_layer_without_output_channels(make: Callable[[], nn.Module]) -> None:
+    layer = weight_standardization(make())
+    assert layer.weight.shape == layer.parametrizations.weight.original.shape
+
+
+@pytest.mark.filterwarnings("ignore:`torch.nn.utils.weight_norm` is deprecated:FutureWarning")
+def test_apply_refuses_torch_legacy_weight_norm_instead_of_skipping_it() -> None:
+    legacy = torch.nn.utils.weight_norm(nn.Conv2d(3, 4, 3))
+    model = nn.Sequential(nn.Conv2d(3, 3, 1), legacy)
+    with pytest.raises(ValueError, match="carries torch's legacy weight norm"):
+        apply_weight_standardization(model)
+    assert not parametrize.is_parametrized(model[0])
+
+
+def test_a_lazy_bias_is_refused_at_entry() -> None:
+    with pytest.raises(ValueError, match=r"Linear\.bias has 1 dimension"):
+        weight_standardization(nn.LazyLinear(3), "bias")

@@ -49,13 +49,16 @@ def describe(module: nn.Module, name: str) -> str:
 # --- layers ---------------------------------------------------------------------------------
 
 
-def expected_ndim(module: nn.Module) -> int | None:
-    """The weight's dimensions, for lazy modules whose weight does not exist yet."""
-    if isinstance(module, ConvNd):
-        return 2 + len(cast(Any, module).kernel_size)
-    if isinstance(module, nn.Linear):
-        return 2
-    return None
+def expected_ndim(module: nn.Module, name: str = "weight") -> int | None:
+    """The dimensions ``module.<name>`` will have, for lazy modules whose tensors do not
+    exist yet; None where that is not known."""
+    if not isinstance(module, (ConvNd, nn.Linear)):
+        return None
+    if name == "bias":
+        return 1
+    if name != "weight":
+        return None
+    return 2 + len(cast(Any, module).kernel_size) if isinstance(module, ConvNd) else 2
 
 
 def is_transposed(module: nn.Module) -> bool:
@@ -339,6 +342,15 @@ def defer(
 def pending(module: nn.Module, name: str, marker: str) -> bool:
     """Whether a registration of kind ``marker`` waits for ``module.<name>`` to exist."""
     return _find_deferred(module, name, marker) is not None
+
+
+def pending_markers(module: nn.Module, name: str) -> set[str]:
+    """The kinds of registration waiting for ``module.<name>`` to exist."""
+    return {
+        hook.marker
+        for hook in module._forward_pre_hooks.values()
+        if isinstance(hook, _Deferred) and hook.name == name
+    }
 
 
 def cancel_pending(module: nn.Module, name: str, marker: str) -> bool:

@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.nn.utils import parametrize
 
 from normhooks import _checks, _parametrize, _torch_compat
 from normhooks._parametrize import layer_name
@@ -145,6 +146,11 @@ def _initializable(model: nn.Module) -> list[tuple[str, nn.Module]]:
             )
         if not is_weight_normalized(layer, "weight"):
             continue
+        if parametrize.is_parametrized(layer, "bias"):
+            raise ValueError(
+                f"data_dependent_init: {where}.bias has a parametrization; the initialization "
+                "sets the bias itself and cannot write through one"
+            )
         chain = _parametrize.parametrizations_of(layer, "weight")
         wn = chain[0]
         if len(chain) > 1 or not isinstance(wn, WeightNorm):

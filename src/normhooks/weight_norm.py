@@ -136,7 +136,8 @@ class _WeightNormFunction(torch.autograd.Function):
             return (*(next(grads) if t.requires_grad else None for t in (g, v)), None, None)
         # At a zero row v is zero, so the terms in v vanish whatever their coefficient.
         safe_norm = torch.where(norm > 0, norm, torch.ones_like(norm))
-        if ctx.dim in (0, v.ndim - 1) and v.is_contiguous():
+        # torch's fused kernel divides by the row count: a layer without rows stays off it.
+        if ctx.dim in (0, v.ndim - 1) and v.is_contiguous() and v.shape[ctx.dim] > 0:
             # torch's fused kernel for g * v / ||v||, given d for ||v||: grad_g = p / d is
             # exact, and its grad_v has p / d^3 where the exact term is p / (d^2 ||v||).
             grad_v, grad_g = _torch_compat.weight_norm_interface_backward(
@@ -200,7 +201,7 @@ class WeightNorm(nn.Module):
             # On an accelerator without Triton, autograd's own graph of the formula launches
             # about as many kernels as the closed-form backward and runs no Python in backward.
             return _weight_norm(g, v, dim, self.eps)
-        if dim in (0, v.ndim - 1) and v.is_contiguous():
+        if dim in (0, v.ndim - 1) and v.is_contiguous() and v.shape[dim] > 0:
             # torch's fused op (forward and backward) computes g * v / ||v||, which is this
             # function exactly where no row is zero and ||v|| + eps rounds to ||v||; on the CPU
             # checking that costs nothing.
@@ -335,10 +336,17 @@ def _plan(module: nn.Module, name: str, dim: int | None, eps: float, *, strict_d
             "normalization needs the plain Parameter: register it first"
         )
     if weight is None:
+        others = _parametrize.pending_markers(module, name) - {_MARKER}
+        if others:
+            raise ValueError(
+                f"{describe(module, name)} will get another parametrization at its first "
+                f"forward ({', '.join(sorted(others))}); weight normalization needs the plain "
+                "Parameter: register it first"
+            )
         lazy = module._parameters[name]
         assert lazy is not None  # checked_tensor refused None
         _parametrize.check_dtype(module, name, lazy.dtype, _WHAT)
-        ndim = _parametrize.expected_ndim(module)
+        ndim = _parametrize.expected_ndim(module, name)
         if ndim is not None:
             _axis(module, name, ndim, dim)
         register = functools.partial(_register, name=name, dim=dim, eps=eps)
@@ -527,15 +535,22 @@ def _joined(prefix: str, name: str) -> str:
     return f"{prefix}.{name}" if prefix else name
 
 
-def _refuse_ties(model: nn.Module, planned: dict[int, str]) -> None:
-    """Raises if a Parameter about to be converted is also reachable under another name."""
-    for other, param in model.named_parameters(remove_duplicate=False):
-        first = planned.get(id(param))
-        if first is not None and first != other:
+def _refuse_ties(model: nn.Module, planned: dict[int, tuple[nn.Module, str, str]]) -> None:
+    """Raises if a Parameter about to be converted is also another module's or name's.
+
+    ``planned`` maps each Parameter to its owner, its attribute name and its path. A layer
+    that the model calls twice (one module object under two paths) is not a tie.
+    """
+    for prefix, module in model.named_modules(remove_duplicate=False):
+        for name, param in module._parameters.items():
+            found = planned.get(id(param))
+            if found is None or (found[0] is module and found[1] == name):
+                continue
+            other = _joined(prefix, name)
             raise ValueError(
-                f"{first} and {other} are the same Parameter (tied weights); converting "
-                f"{first} would untie them. Leave its layer out (layer_types), or convert one "
-                "with weight_norm(module) and tie the other to it yourself"
+                f"{found[2]} and {other} are the same Parameter (tied weights); converting "
+                f"{found[2]} would untie them. Leave its layer out (layer_types), or convert "
+                "one with weight_norm(module) and tie the other to it yourself"
             )
 
 
@@ -588,7 +603,7 @@ def apply_weight_norm(
     _parametrize.check_module(model, "model")
     _parametrize.refuse_wrapped(model, _WHAT)
     steps: list[Step] = []
-    planned: dict[int, str] = {}
+    planned: dict[int, tuple[nn.Module, str, str]] = {}
     left: list[str] = []
     matched = already = 0
     for prefix, layer in model.named_modules():
@@ -609,7 +624,7 @@ def apply_weight_norm(
             already += 1
             continue
         if has_weight:
-            planned[id(layer._parameters["weight"])] = _joined(prefix, "weight")
+            planned[id(layer._parameters["weight"])] = (layer, "weight", _joined(prefix, "weight"))
         steps.append(_plan(layer, "weight", dim, eps, strict_dim=True))
     _refuse_ties(model, planned)
     if not steps:
@@ -659,7 +674,7 @@ def convert_with_weight_normalization(module_cls: Callable[..., M], *args: Any, 
             f"{module_cls!r}"
         )
     steps: list[Step] = []
-    planned: dict[int, str] = {}
+    planned: dict[int, tuple[nn.Module, str, str]] = {}
     for prefix, sub in module.named_modules():
         for name, param in sub._parameters.items():
             if param is None:
@@ -671,7 +686,7 @@ def convert_with_weight_normalization(module_cls: Callable[..., M], *args: Any, 
                     "apply_weight_norm(module), which converts at the first forward"
                 )
             if param.ndim >= 2:
-                planned.setdefault(id(param), _joined(prefix, name))
+                planned.setdefault(id(param), (sub, name, _joined(prefix, name)))
                 steps.append(_plan(sub, name, 0, 1e-12, strict_dim=True))
     _refuse_ties(module, planned)
     if not steps:

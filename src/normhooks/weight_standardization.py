@@ -41,12 +41,14 @@ def _rows(weight: Tensor, dim: int, groups: int) -> tuple[Tensor, tuple[int, ...
     (``in_channels x out_channels / groups x kernel``): output filter ``j`` of group ``k``
     spans only the input channels of group ``k``, so its row holds just those.
     """
+    # Explicit row lengths: reshape(n, -1) cannot infer one for a weight with no rows.
     if groups == 1:
         moved = weight if dim == 0 else weight.movedim(dim, 0)
-        return moved.reshape(moved.shape[0], -1), tuple(moved.shape)
+        return moved.reshape(moved.shape[0], math.prod(moved.shape[1:])), tuple(moved.shape)
     shape = weight.shape
     per_group = weight.reshape(groups, shape[0] // groups, *shape[1:]).movedim(dim + 1, 1)
-    return per_group.reshape(groups * shape[dim], -1), tuple(per_group.shape)
+    rows = groups * shape[dim]
+    return per_group.reshape(rows, math.prod(per_group.shape[2:])), tuple(per_group.shape)
 
 
 def _unrows(rows: Tensor, shape: tuple[int, ...], dim: int, groups: int) -> Tensor:
@@ -99,6 +101,12 @@ def standardize_weight(
         tensor([[-1.2247,  0.0000,  1.2247],
                 [ 0.0000,  0.0000,  0.0000]])
     """
+    if groups > 1 and (dim % weight.ndim == 0 or weight.shape[0] % groups):
+        raise ValueError(
+            f"groups={groups} splits axis 0 (a transposed convolution's input channels) into "
+            f"groups for the output axis dim; it needs dim >= 1 and axis 0 divisible by "
+            f"groups, got dim={dim} for a weight of shape {list(weight.shape)}"
+        )
     rows, shape = _rows(weight, dim, groups)
     if rows.numel() == 0:
         return weight.clone()
@@ -261,7 +269,7 @@ def _plan(
     if _is_standardized(module, name):
         raise ValueError(f"{describe(module, name)} is already standardized")
     if weight is None:
-        ndim = _parametrize.expected_ndim(module)
+        ndim = _parametrize.expected_ndim(module, name)
         if ndim is not None:
             _resolve(module, name, ndim, dim)
         register = functools.partial(
@@ -394,6 +402,15 @@ def apply_weight_standardization(
     for layer in model.modules():
         if _parametrize.is_internal(layer) or not isinstance(layer, types):
             continue
+        torch_wn = _parametrize.torch_weight_norm(layer, "weight")
+        if torch_wn is not None and _parametrize.is_torch_legacy_weight_norm(torch_wn):
+            raise ValueError(
+                f"{describe(layer, 'weight')} carries torch's legacy weight norm "
+                "(torch.nn.utils.weight_norm), which recomputes the weight in a forward "
+                "pre-hook; weight standardization cannot stack on it. Take it over with "
+                "normhooks.apply_weight_norm(model) first (it becomes a parametrization that "
+                "standardization stacks on), or remove it"
+            )
         if "weight" not in layer._parameters and not parametrize.is_parametrized(layer, "weight"):
             continue
         matched += 1
@@ -425,7 +442,9 @@ def remove_weight_standardization(
         bake: True leaves the standardized weight (times the gain, for Scaled WS) as a plain
             contiguous Parameter, for inference and export with an unchanged output; False
             restores the raw weight. Either way it is the same Parameter object as before, so
-            an existing optimizer keeps working.
+            an existing optimizer keeps working. Baking writes into that Parameter: the tree
+            form refuses layers that share (tie) one raw weight; with a ``name``, bake a tied
+            weight only where no other layer standardizes it.
 
     Returns:
         ``module``.
@@ -448,13 +467,25 @@ def remove_weight_standardization(
         return module
     targets = []
     found = False
-    for sub in module.modules():
+    owners: dict[int, str] = {}
+    for prefix, sub in module.named_modules():
         if _parametrize.is_internal(sub):
             continue
         for param_name in _parametrize.parametrized_names(sub):
             if _is_standardized(sub, param_name):
                 _check_removable(sub, param_name, bake)
                 targets.append((sub, param_name))
+                raw = getattr(_parametrize.originals(sub, param_name), "original", None)
+                where = f"{prefix}.{param_name}" if prefix else param_name
+                first = owners.setdefault(id(raw), where)
+                if bake and raw is not None and first != where:
+                    # Baking writes into the shared raw weight: the second layer would then
+                    # standardize what the first one baked.
+                    raise ValueError(
+                        f"{first} and {where} standardize the same raw Parameter (tied "
+                        "weights); baking one would change the other. Remove with bake=False, "
+                        "or untie them first"
+                    )
         found |= _parametrize.pending(sub, "weight", _MARKER)
     if not targets and not found:
         raise ValueError(

@@ -25,7 +25,9 @@ from normhooks._precision import compute_dtype
 _MAX_BLOCK = 1024
 
 
-@triton.jit(do_not_specialize=["eps"])
+# ``length`` is never specialized: Triton turns an int argument equal to 1 into a constant,
+# and a row of one element (a depthwise 1x1 convolution) would then fail to compile.
+@triton.jit(do_not_specialize=["eps", "length"])
 def _forward(  # type: ignore[no-untyped-def]
     x,
     gain,
@@ -76,7 +78,7 @@ def _forward(  # type: ignore[no-untyped-def]
     tl.store(rstds + row, rstd)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["length"])
 def _backward(  # type: ignore[no-untyped-def]
     grad_y,
     x,
