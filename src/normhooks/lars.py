@@ -67,7 +67,9 @@ def lars_rates(
     if settings.trust_coefficient != 1:
         rate = rate * settings.trust_coefficient
     if settings.clip and lr is not None:
-        rate = torch.clamp(rate / lr, max=1.0)
+        # A tensor lr may live on another device than this unit's norms.
+        divisor = lr.to(rate.device, rate.dtype) if isinstance(lr, Tensor) else lr
+        rate = torch.clamp(rate / divisor, max=1.0)
     scaled = w_norm > settings.threshold
     if settings.eps == 0 and settings.weight_decay == 0:
         # A zero gradient with eps=0 gives 0/0 in the local rate; the update it scales is zero
@@ -125,7 +127,11 @@ def lars_unit_(
     1 where a written value is not finite. ``norms`` are ``(||w||, ||g||)`` of the full
     tensors when ``params`` are shards; otherwise they are computed here.
     """
-    if norms is None and _kernels.available(params[0]):
+    if (
+        norms is None
+        and _kernels.available(params[0])
+        and compat.plain_eager(*params, *grads)
+    ):
         # Two launches whatever the number of tensors, the GradScaler protocol included.
         return _kernels.lars_unit_(
             params,
