@@ -127,11 +127,7 @@ def lars_unit_(
     1 where a written value is not finite. ``norms`` are ``(||w||, ||g||)`` of the full
     tensors when ``params`` are shards; otherwise they are computed here.
     """
-    if (
-        norms is None
-        and _kernels.available(params[0])
-        and compat.plain_eager(*params, *grads)
-    ):
+    if norms is None and _kernels.available(params[0]) and compat.plain_eager(*params, *grads):
         # Two launches whatever the number of tensors, the GradScaler protocol included.
         return _kernels.lars_unit_(
             params,
