@@ -1190,3 +1190,13 @@ def test_lazy_standardization_then_weight_norm_is_refused_at_entry() -> None:
 def test_a_lazy_bias_is_refused_at_entry() -> None:
     with pytest.raises(ValueError, match=r"Linear\.bias has 1 dimension"):
         weight_norm(nn.LazyLinear(3), "bias")
+
+
+def test_a_checkpoint_with_both_key_styles_keeps_its_current_keys() -> None:
+    source = weight_norm(nn.Linear(3, 2))
+    state = source.state_dict()
+    state["weight_g"] = torch.full((2, 1), 7.0)  # a stale legacy copy beside the current key
+    state["weight_v"] = torch.full((2, 3), 7.0)
+    target = weight_norm(nn.Linear(3, 2))
+    target.load_state_dict(state, strict=False)
+    torch.testing.assert_close(target.weight, source.weight, rtol=0, atol=0)

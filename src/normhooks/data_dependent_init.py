@@ -56,10 +56,12 @@ def _moments(t: Tensor, axis: int) -> tuple[Tensor, Tensor, int]:
     """
     acc = torch.promote_types(t.dtype, torch.float32)
     rows = t.movedim(axis, -1).reshape(-1, t.shape[axis]).to(acc)
-    packed = torch.cat([rows.sum(0), rows.new_tensor([rows.shape[0]])])
+    packed = rows.sum(0)
     _all_reduce_(packed)
-    count = int(packed[-1].item())
-    mean = packed[:-1] / max(count, 1)
+    # The count travels as int64: float32 holds whole numbers exactly only up to 2**24.
+    counted = torch.tensor([rows.shape[0]], dtype=torch.int64, device=rows.device)
+    count = int(_all_reduce_(counted).item())
+    mean = packed / max(count, 1)
     variance = _all_reduce_((rows - mean).square().sum(0)) / max(count, 1)
     return mean, variance, count
 

@@ -267,8 +267,12 @@ class _LoadLegacyKeys:
             return
         for suffix, which in _LEGACY_SUFFIXES:
             legacy = f"{prefix}{self.name}{suffix}"
-            if legacy in state_dict:
-                state_dict[f"{prefix}parametrizations.{self.name}.{which}"] = state_dict.pop(legacy)
+            current = f"{prefix}parametrizations.{self.name}.{which}"
+            # A checkpoint with both styles keeps its current keys, and a <name>_g that the
+            # module itself owns is never taken for g.
+            owned = hasattr(module, self.name + suffix)
+            if legacy in state_dict and current not in state_dict and not owned:
+                state_dict[current] = state_dict.pop(legacy)
 
 
 class _SaveLegacyKeys:
