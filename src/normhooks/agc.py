@@ -354,25 +354,9 @@ class AdaptiveGradientClipping(GradientHook[AGCSettings]):
     ) -> None:
         super().__init__(_check_settings({"clipping": clipping, "eps": eps}), foreach=foreach)
 
-    @classmethod
-    def _check_settings(cls, values: Mapping[str, object], prefix: str) -> AGCSettings:
-        return _check_settings(values, prefix)
-
-    def _unit_(
-        self,
-        params: list[Tensor],
-        grads: list[Tensor],
-        settings: AGCSettings,
-        lr: float | Tensor | None,
-        grad_scale: Tensor | None,
-        found_inf: Tensor | None,
-        *,
-        norms: tuple[Tensor, Tensor] | None = None,
-        foreach: bool | None = None,
-    ) -> Tensor:
-        return agc_unit_(
-            params, grads, settings, lr, grad_scale, found_inf, norms=norms, foreach=foreach
-        )
+    # The technique itself: its settings' checks and its maths on one unit, pure functions.
+    _check_settings = staticmethod(_check_settings)
+    _unit_ = staticmethod(agc_unit_)
 
     def _check_group(self, group: Mapping[str, Any], settings: AGCSettings) -> str | None:
         _check_rows_are_local(group["params"], "parameter {}".format)

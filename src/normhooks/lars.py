@@ -358,25 +358,9 @@ class GradientLARS(GradientHook[LARSSettings]):
         }
         super().__init__(_check_settings(values), foreach=foreach)
 
-    @classmethod
-    def _check_settings(cls, values: Mapping[str, object], prefix: str) -> LARSSettings:
-        return _check_settings(values, prefix)
-
-    def _unit_(
-        self,
-        params: list[Tensor],
-        grads: list[Tensor],
-        settings: LARSSettings,
-        lr: float | Tensor | None,
-        grad_scale: Tensor | None,
-        found_inf: Tensor | None,
-        *,
-        norms: tuple[Tensor, Tensor] | None = None,
-        foreach: bool | None = None,
-    ) -> Tensor:
-        return lars_unit_(
-            params, grads, settings, lr, grad_scale, found_inf, norms=norms, foreach=foreach
-        )
+    # The technique itself: its settings' checks and its maths on one unit, pure functions.
+    _check_settings = staticmethod(_check_settings)
+    _unit_ = staticmethod(lars_unit_)
 
     def _check_group(self, group: Mapping[str, Any], settings: LARSSettings) -> str | None:
         if settings.clip and not isinstance(group.get("lr"), (float, int, Tensor)):

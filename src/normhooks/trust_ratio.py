@@ -289,9 +289,7 @@ class TrustRatio(GradientHook[TrustRatioSettings]):
             weakref.WeakKeyDictionary()
         )
 
-    @classmethod
-    def _check_settings(cls, values: Mapping[str, object], prefix: str) -> TrustRatioSettings:
-        return _check_settings(values, prefix)
+    _check_settings = staticmethod(_check_settings)
 
     def _check_group(self, group: Mapping[str, Any], settings: TrustRatioSettings) -> str | None:
         lr = group.get("lr")
