@@ -25,6 +25,7 @@ from torch import Tensor, nn
 from torch.nn.utils import parametrize
 from torch.utils.hooks import RemovableHandle
 
+from normhooks import _torch_compat
 from normhooks._torch_compat import ConvNd, ConvTransposeNd
 
 Undo = Callable[[], None]
@@ -125,7 +126,7 @@ def torch_weight_norm(module: nn.Module, name: str) -> Any:
     hook_type = getattr(legacy, "WeightNorm", None)
     if hook_type is None:
         return None
-    for hook in module._forward_pre_hooks.values():
+    for hook in _torch_compat.forward_pre_hooks(module):
         if isinstance(hook, hook_type) and getattr(hook, "name", None) == name:
             return hook
     return None
@@ -142,7 +143,7 @@ def torch_weight_norm_names(module: nn.Module) -> list[str]:
     legacy = sys.modules.get("torch.nn.utils.weight_norm")
     hook_type = getattr(legacy, "WeightNorm", None)
     if hook_type is not None:
-        for hook in module._forward_pre_hooks.values():
+        for hook in _torch_compat.forward_pre_hooks(module):
             if isinstance(hook, hook_type) and hook.name not in names:
                 names.append(hook.name)
     return names
@@ -348,7 +349,7 @@ def pending_markers(module: nn.Module, name: str) -> set[str]:
     """The kinds of registration waiting for ``module.<name>`` to exist."""
     return {
         hook.marker
-        for hook in module._forward_pre_hooks.values()
+        for hook in _torch_compat.forward_pre_hooks(module)
         if isinstance(hook, _Deferred) and hook.name == name
     }
 
@@ -365,7 +366,7 @@ def cancel_pending(module: nn.Module, name: str, marker: str) -> bool:
 def _find_deferred(module: nn.Module, name: str, marker: str) -> _Deferred | None:
     # Reading the hook dict finds pending registrations of deep copies and unpickled modules
     # too, whose handles were copied along with the dict they point into.
-    for hook in module._forward_pre_hooks.values():
+    for hook in _torch_compat.forward_pre_hooks(module):
         if isinstance(hook, _Deferred) and hook.name == name and hook.marker == marker:
             return hook
     return None

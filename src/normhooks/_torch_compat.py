@@ -30,11 +30,6 @@ def foreach_add_(tensors: list[Tensor], others: list[Tensor], alpha: float = 1.0
     torch._foreach_add_(tensors, others, alpha=alpha)
 
 
-def foreach_mul(tensors: list[Tensor], scalar: Tensor | float) -> list[Tensor]:
-    """``t * scalar`` for every tensor, out of place (2.11, 2.13)."""
-    return list(torch._foreach_mul(tensors, scalar))
-
-
 def foreach_mul_(tensors: list[Tensor], factors: list[Tensor] | Tensor | float) -> None:
     """``t *= f`` for every tensor, with one factor each or one for all (2.11, 2.13)."""
     torch._foreach_mul_(tensors, factors)
@@ -206,3 +201,20 @@ def drop_grad_scaler_attributes(optimizer: torch.optim.Optimizer) -> None:
     for name in ("grad_scale", "found_inf"):
         if name in vars(optimizer):
             delattr(optimizer, name)
+
+
+def forward_pre_hooks(module: nn.Module) -> list[object]:
+    """The forward pre-hooks registered on ``module``, read only (``_forward_pre_hooks``:
+    2.11, 2.13); normhooks removes its own through their handles."""
+    return list(module._forward_pre_hooks.values())
+
+
+def load_state_dict_pre_hooks(module: nn.Module) -> list[object]:
+    """The load-state-dict pre-hooks of ``module``, unwrapped, read only (2.11, 2.13): torch
+    wraps each in a ``_WrappedHook`` whose ``hook`` is the registered callable."""
+    return [getattr(h, "hook", h) for h in module._load_state_dict_pre_hooks.values()]
+
+
+def state_dict_hooks(module: nn.Module) -> list[object]:
+    """The state-dict post-hooks of ``module``, read only (``_state_dict_hooks``: 2.11, 2.13)."""
+    return list(module._state_dict_hooks.values())

@@ -299,10 +299,10 @@ def _install_key_hooks(module: nn.Module, name: str, *, save_legacy: bool) -> No
     They decide at each call from the parametrization itself, so copies and unpickled
     modules behave alike, and removing WN needs no hook bookkeeping.
     """
-    loads = [getattr(h, "hook", h) for h in module._load_state_dict_pre_hooks.values()]
+    loads = _torch_compat.load_state_dict_pre_hooks(module)
     if not any(isinstance(h, _LoadLegacyKeys) and h.name == name for h in loads):
         module.register_load_state_dict_pre_hook(_LoadLegacyKeys(name))  # type: ignore[no-untyped-call]
-    saves = list(module._state_dict_hooks.values())
+    saves = _torch_compat.state_dict_hooks(module)
     if save_legacy and not any(isinstance(h, _SaveLegacyKeys) and h.name == name for h in saves):
         module.register_state_dict_post_hook(_SaveLegacyKeys(name))  # type: ignore[no-untyped-call]
 
