@@ -24,6 +24,7 @@ from torch import Tensor
 
 from normhooks._kernels._common import acc_dtype, as_float, bits, div, on_device, sqrt, tl_dtype
 from normhooks._precision import compute_dtype
+from normhooks.weight_norm import _weight_norm as plain_weight_norm
 
 _MAX_BLOCK = 1024
 
@@ -127,15 +128,6 @@ def _backward(  # type: ignore[no-untyped-def]
         first += block
 
 
-def _plain(g: Tensor, v: Tensor, dim: int, eps: float) -> Tensor:
-    """The formula in differentiable torch ops, for a backward that must be differentiable."""
-    axes = [d for d in range(v.ndim) if d != dim]
-    acc = compute_dtype(v.dtype)
-    norm = torch.linalg.vector_norm(v, dim=axes, keepdim=True, dtype=acc)
-    denominator = norm + eps if eps > 0 else torch.where(norm > 0, norm, torch.ones_like(norm))
-    return (v * (g / denominator)).to(v.dtype)
-
-
 def _layout(v: Tensor, dim: int) -> tuple[int, int, int, int, bool]:
     """``(row length, C, B, block, row contiguous)`` of contiguous ``v`` viewed as ``[A, C, B]``."""
     count = v.shape[dim]
@@ -180,7 +172,9 @@ class _WeightNorm(torch.autograd.Function):
             # through the plain formula, whose graph is (the saved inputs keep their history).
             wanted = [t for t in (g, v) if t.requires_grad]
             grads = iter(
-                torch.autograd.grad(_plain(g, v, dim, eps), wanted, grad_w, create_graph=True)
+                torch.autograd.grad(
+                    plain_weight_norm(g, v, dim, eps), wanted, grad_w, create_graph=True
+                )
             )
             return (*(next(grads) if t.requires_grad else None for t in (g, v)), None, None)
         contiguous = v.contiguous()
