@@ -1,10 +1,18 @@
-"""Checks that need a GPU: no host sync, fused AMP, cuDNN RNNs. Skipped without CUDA."""
+"""Checks that need a GPU: no host sync, fused AMP, cuDNN RNNs, and every kernel case of
+tests/kernel_cases.py on CUDA tensors. Skipped without CUDA, except the check that this file
+runs every kernel case that the interpreter suite runs."""
 
 from __future__ import annotations
 
 import copy
+import importlib.util
+import json
+import os
+import subprocess
+import sys
 import warnings
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -22,7 +30,8 @@ from normhooks import (
     weight_norm,
 )
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+NEEDS_CUDA = "needs a CUDA device"
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason=NEEDS_CUDA)
 
 
 def cnn() -> nn.Module:
@@ -39,6 +48,7 @@ def cnn() -> nn.Module:
     )
 
 
+@needs_cuda
 def test_lars_hook_never_syncs_with_host() -> None:
     model = cnn().cuda()
     optimizer = torch.optim.SGD(lars_param_groups(model), lr=0.1, momentum=0.9)
@@ -55,6 +65,7 @@ def test_lars_hook_never_syncs_with_host() -> None:
         torch.cuda.set_sync_debug_mode("default")
 
 
+@needs_cuda
 def test_lars_cuda_matches_cpu_in_float64() -> None:
     cpu = cnn().double()
     gpu = copy.deepcopy(cpu).cuda()
@@ -70,6 +81,7 @@ def test_lars_cuda_matches_cpu_in_float64() -> None:
         torch.testing.assert_close(b.cpu(), a, rtol=1e-9, atol=1e-12)
 
 
+@needs_cuda
 @pytest.mark.parametrize(
     "make",
     [
@@ -90,6 +102,7 @@ def test_fused_optimizer_under_grad_scaler_gives_unscaled_result(
     assert_grad_scaler_matches_unscaled(cnn().cuda(), x, hooked, hooked, rtol=1e-5, atol=1e-6)
 
 
+@needs_cuda
 def test_ws_and_wn_match_cpu() -> None:
     cpu = apply_weight_standardization(cnn())
     weight_norm(cpu[8], "weight")
@@ -101,6 +114,7 @@ def test_ws_and_wn_match_cpu() -> None:
     torch.testing.assert_close(gpu(x.cuda()).cpu(), cpu(x), rtol=1e-4, atol=1e-4)
 
 
+@needs_cuda
 @pytest.mark.parametrize("rnn_type", [nn.LSTM, nn.GRU], ids=["lstm", "gru"])
 def test_cudnn_rnn_with_weight_norm(rnn_type: type[nn.RNNBase]) -> None:
     torch.manual_seed(0)
@@ -125,6 +139,7 @@ def test_cudnn_rnn_with_weight_norm(rnn_type: type[nn.RNNBase]) -> None:
             torch.testing.assert_close(gpu(x.cuda())[0].cpu(), cpu(x)[0], rtol=1e-4, atol=1e-5)
 
 
+@needs_cuda
 @pytest.mark.parametrize(
     ("shape", "dim", "groups"),
     [((8, 3, 3, 3), 0, 1), ((4, 6, 3), 1, 1), ((6, 2, 3, 3), 1, 3), ((5, 7), 0, 1)],
@@ -150,6 +165,7 @@ def test_standardization_on_gpu_matches_cpu_in_float64(
         torch.testing.assert_close(on_gpu, on_cpu, rtol=1e-12, atol=1e-12)
 
 
+@needs_cuda
 @pytest.mark.parametrize("eps", [1e-12, 0.5, 0.0], ids=["default", "big-eps", "no-eps"])
 def test_weight_norm_on_gpu_matches_cpu_in_float64(eps: float) -> None:
     torch.manual_seed(0)
@@ -166,6 +182,7 @@ def test_weight_norm_on_gpu_matches_cpu_in_float64(eps: float) -> None:
         torch.testing.assert_close(on_gpu.grad.cpu(), on_cpu.grad, rtol=1e-12, atol=1e-12)
 
 
+@needs_cuda
 def test_inductor_compiled_step_matches_eager() -> None:
     def make(model: nn.Module) -> torch.optim.Optimizer:
         optimizer = torch.optim.SGD(lars_param_groups(model), lr=0.1, momentum=0.9)
@@ -178,116 +195,199 @@ def test_inductor_compiled_step_matches_eager() -> None:
 
 
 # --------------------------------------------------------------------------------------------
-# The Triton kernels on the GPU, against the float64 formulas of tests/test_kernels.py on the
-# CPU, at sizes that cross the real chunk size (32768 values).
+# The Triton kernels on the GPU: every case of the interpreter suite, then sizes that cross the
+# real chunk size (32768 values), against the float64 formulas of tests/kernel_cases.py.
 
-
-@pytest.fixture
-def kernel_tests() -> Any:
-    pytest.importorskip("triton", reason="the fused kernels need Triton")
-    import test_kernels
-
-    return test_kernels
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["float32", "float64"])
-def test_lars_kernel_on_cuda_matches_cpu_reference(kernel_tests: Any, dtype: torch.dtype) -> None:
+if importlib.util.find_spec("triton") is not None:
+    # Without Triton the library never launches a kernel (its dispatch requires Triton), so
+    # neither suite has a kernel to test.
+    from kernel_cases import KernelCases, gain_shape, lars_reference, wn_reference, ws_reference
     from normhooks._kernels.lars import lars_unit_
-
-    shapes = [(3, 4), (32768,), (70000,), (0,), (64, 3, 3, 3), (1,)]
-    params = [torch.randn(s, dtype=dtype) for s in shapes]
-    grads = [torch.randn(s, dtype=dtype) * 512 for s in shapes]
-    expected_rates, expected = kernel_tests.lars_reference(
-        params, grads, weight_decay=1e-2, clip=True, lr=0.5, grad_scale=512.0
-    )
-    cuda_grads = [g.cuda() for g in grads]
-    found_inf = torch.zeros(1, device="cuda")
-    rates = lars_unit_(
-        [p.cuda() for p in params],
-        cuda_grads,
-        threshold=1e-2,
-        weight_decay=1e-2,
-        eps=1e-9,
-        trust_coefficient=1.0,
-        lr=torch.tensor(0.5, device="cuda"),
-        clip=True,
-        grad_scale=torch.tensor(512.0, device="cuda"),
-        found_inf=found_inf,
-    )
-    torch.testing.assert_close(rates.cpu(), expected_rates.to(dtype))
-    for grad, want in zip(cuda_grads, expected, strict=True):
-        torch.testing.assert_close(grad.cpu(), want.to(dtype))
-    assert found_inf.item() == 0.0
-
-
-def test_lars_kernel_never_syncs_with_host(kernel_tests: Any) -> None:
-    from normhooks._kernels.lars import lars_unit_
-
-    params = [torch.randn(s, device="cuda") for s in [(64, 3, 3, 3), (70000,), (10,)]]
-    grads = [torch.randn_like(p) for p in params]
-    settings: dict[str, Any] = {
-        "threshold": 1e-2,
-        "weight_decay": 1e-4,
-        "eps": 1e-9,
-        "trust_coefficient": 1.0,
-        "lr": torch.tensor(0.1, device="cuda"),
-        "clip": True,
-        "grad_scale": torch.tensor(1024.0, device="cuda"),
-        "found_inf": torch.zeros(1, device="cuda"),
-    }
-    lars_unit_(params, grads, **settings)  # compiles and builds the table
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        lars_unit_(params, grads, **settings)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["float32", "float64"])
-@pytest.mark.parametrize(
-    ("shape", "dim"), [((64, 32, 3, 3), 0), ((32, 64, 3, 3), 1), ((20, 30), 1)]
-)
-@pytest.mark.parametrize("eps", [0.0, 1e-3], ids=["eps0", "eps1e-3"])
-def test_weight_norm_kernel_on_cuda_matches_cpu_reference(
-    kernel_tests: Any, shape: tuple[int, ...], dim: int, eps: float, dtype: torch.dtype
-) -> None:
-    from normhooks._kernels.weight_norm import weight_norm as fused
-
-    v = torch.randn(shape, dtype=torch.float64)
-    v.select(dim, 1).zero_()
-    g = torch.rand(kernel_tests.gain_shape(v, dim), dtype=torch.float64) + 0.5
-    upstream = torch.randn(shape, dtype=torch.float64)
-    exact = [t.clone().requires_grad_() for t in (g, v)]
-    want = kernel_tests.wn_reference(*exact, dim, eps)
-    wanted = torch.autograd.grad(want, exact, upstream)
-    ours = [t.to("cuda", dtype).requires_grad_() for t in (g, v)]
-    out = fused(*ours, dim, eps)
-    grads = torch.autograd.grad(out, ours, upstream.to("cuda", dtype))
-    torch.testing.assert_close(out.cpu(), want.to(dtype))
-    for got, expected in zip(grads, wanted, strict=True):
-        torch.testing.assert_close(got.cpu(), expected.to(dtype))
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["float32", "float64"])
-@pytest.mark.parametrize("transposed", [False, True], ids=["contiguous", "transposed"])
-def test_standardize_rows_kernel_on_cuda_matches_cpu_reference(
-    kernel_tests: Any, transposed: bool, dtype: torch.dtype
-) -> None:
+    from normhooks._kernels.weight_norm import weight_norm as fused_weight_norm
     from normhooks._kernels.weight_standardization import standardize_rows
 
-    rows = torch.randn(64, 1200, dtype=torch.float64) * 3 + 1
-    gain = torch.randn(64, dtype=torch.float64)
-    upstream = torch.randn(64, 1200, dtype=torch.float64)
-    exact = [rows.clone().requires_grad_(), gain.clone().requires_grad_()]
-    want = kernel_tests.ws_reference(*exact)
-    wanted = torch.autograd.grad(want, exact, upstream)
-    on_gpu = rows.to("cuda", dtype)
-    if transposed:
-        on_gpu = on_gpu.t().contiguous().t()
-    ours = [on_gpu.requires_grad_(), gain.to("cuda", dtype).requires_grad_()]
-    out = standardize_rows(ours[0], 1e-5, ours[1])
-    grads = torch.autograd.grad(out, ours, upstream.to("cuda", dtype))
-    torch.testing.assert_close(out.cpu(), want.to(dtype))
-    for got, expected in zip(grads, wanted, strict=True):
-        torch.testing.assert_close(got.cpu(), expected.to(dtype))
+    @needs_cuda
+    class TestKernelsOnCUDA(KernelCases):
+        @pytest.fixture
+        def device(self) -> str:
+            return "cuda"
+
+        @pytest.mark.parametrize(
+            "dtype", [torch.float32, torch.float64], ids=["float32", "float64"]
+        )
+        def test_lars_kernel_at_real_chunk_sizes(self, dtype: torch.dtype) -> None:
+            shapes = [(3, 4), (32768,), (70000,), (0,), (64, 3, 3, 3), (1,)]
+            params = [torch.randn(s, dtype=dtype) for s in shapes]
+            grads = [torch.randn(s, dtype=dtype) * 512 for s in shapes]
+            expected_rates, expected = lars_reference(
+                params, grads, weight_decay=1e-2, clip=True, lr=0.5, grad_scale=512.0
+            )
+            cuda_grads = [g.cuda() for g in grads]
+            found_inf = torch.zeros(1, device="cuda")
+            rates = lars_unit_(
+                [p.cuda() for p in params],
+                cuda_grads,
+                threshold=1e-2,
+                weight_decay=1e-2,
+                eps=1e-9,
+                trust_coefficient=1.0,
+                lr=torch.tensor(0.5, device="cuda"),
+                clip=True,
+                grad_scale=torch.tensor(512.0, device="cuda"),
+                found_inf=found_inf,
+            )
+            torch.testing.assert_close(rates.cpu(), expected_rates.to(dtype))
+            for grad, want in zip(cuda_grads, expected, strict=True):
+                torch.testing.assert_close(grad.cpu(), want.to(dtype))
+            assert found_inf.item() == 0.0
+
+        def test_lars_kernel_never_syncs_with_host(self) -> None:
+            params = [torch.randn(s, device="cuda") for s in [(64, 3, 3, 3), (70000,), (10,)]]
+            grads = [torch.randn_like(p) for p in params]
+            settings: dict[str, Any] = {
+                "threshold": 1e-2,
+                "weight_decay": 1e-4,
+                "eps": 1e-9,
+                "trust_coefficient": 1.0,
+                "lr": torch.tensor(0.1, device="cuda"),
+                "clip": True,
+                "grad_scale": torch.tensor(1024.0, device="cuda"),
+                "found_inf": torch.zeros(1, device="cuda"),
+            }
+            lars_unit_(params, grads, **settings)  # compiles and builds the table
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                lars_unit_(params, grads, **settings)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+
+        @pytest.mark.parametrize(
+            "dtype", [torch.float32, torch.float64], ids=["float32", "float64"]
+        )
+        @pytest.mark.parametrize(
+            ("shape", "dim"), [((64, 32, 3, 3), 0), ((32, 64, 3, 3), 1), ((20, 30), 1)]
+        )
+        @pytest.mark.parametrize("eps", [0.0, 1e-3], ids=["eps0", "eps1e-3"])
+        def test_weight_norm_kernel_at_real_sizes(
+            self, shape: tuple[int, ...], dim: int, eps: float, dtype: torch.dtype
+        ) -> None:
+            v = torch.randn(shape, dtype=torch.float64)
+            v.select(dim, 1).zero_()
+            g = torch.rand(gain_shape(v, dim), dtype=torch.float64) + 0.5
+            upstream = torch.randn(shape, dtype=torch.float64)
+            exact = [t.clone().requires_grad_() for t in (g, v)]
+            want = wn_reference(*exact, dim, eps)
+            wanted = torch.autograd.grad(want, exact, upstream)
+            ours = [t.to("cuda", dtype).requires_grad_() for t in (g, v)]
+            out = fused_weight_norm(*ours, dim, eps)
+            grads = torch.autograd.grad(out, ours, upstream.to("cuda", dtype))
+            torch.testing.assert_close(out.cpu(), want.to(dtype))
+            for got, expected in zip(grads, wanted, strict=True):
+                torch.testing.assert_close(got.cpu(), expected.to(dtype))
+
+        @pytest.mark.parametrize(
+            "dtype", [torch.float32, torch.float64], ids=["float32", "float64"]
+        )
+        @pytest.mark.parametrize("transposed", [False, True], ids=["contiguous", "transposed"])
+        def test_standardize_rows_kernel_at_real_sizes(
+            self, transposed: bool, dtype: torch.dtype
+        ) -> None:
+            rows = torch.randn(64, 1200, dtype=torch.float64) * 3 + 1
+            gain = torch.randn(64, dtype=torch.float64)
+            upstream = torch.randn(64, 1200, dtype=torch.float64)
+            exact = [rows.clone().requires_grad_(), gain.clone().requires_grad_()]
+            want = ws_reference(*exact)
+            wanted = torch.autograd.grad(want, exact, upstream)
+            on_gpu = rows.to("cuda", dtype)
+            if transposed:
+                on_gpu = on_gpu.t().contiguous().t()
+            ours = [on_gpu.requires_grad_(), gain.to("cuda", dtype).requires_grad_()]
+            out = standardize_rows(ours[0], 1e-5, ours[1])
+            grads = torch.autograd.grad(out, ours, upstream.to("cuda", dtype))
+            torch.testing.assert_close(out.cpu(), want.to(dtype))
+            for got, expected in zip(grads, wanted, strict=True):
+                torch.testing.assert_close(got.cpu(), expected.to(dtype))
+
+
+# --------------------------------------------------------------------------------------------
+# That this file runs every kernel case: checked on any machine, from what pytest collects.
+
+ROOT = Path(__file__).resolve().parents[1]
+INTERPRETER_GATE = "runs the kernels on CPU tensors through Triton's interpreter"
+# The tests of tests/test_kernels.py that launch no kernel, so have no CUDA counterpart.
+HOST_ONLY = {
+    "test_kernels_are_not_available_for_cpu_tensors",
+    "test_importing_normhooks_leaves_triton_unimported",
+    "test_kernels_compile_for_sm90",
+    "test_lars_table_cache_is_safe_across_threads",
+}
+
+COLLECT = """
+import json, sys
+import pytest
+
+class Record:
+    def pytest_collection_finish(self, session):
+        items = []
+        for item in session.items:
+            skips = [
+                mark.kwargs.get("reason", "")
+                for mark in item.iter_markers()
+                if mark.name in ("skip", "xfail")
+                or (mark.name == "skipif" and any(bool(arg) for arg in mark.args))
+            ]
+            items.append({"id": item.nodeid, "class": item.cls and item.cls.__name__,
+                          "skips": skips})
+        with open(sys.argv[1], "w") as file:
+            json.dump(items, file)
+
+code = pytest.main(["--collect-only", "-q", "-p", "no:cacheprovider", *sys.argv[2:]],
+                   plugins=[Record()])
+sys.exit(int(code))
+"""
+
+
+def collected(path: Path) -> list[dict[str, Any]]:
+    """What pytest collects from test_kernels.py and this file, as on a machine without CUDA
+    (the interpreter on): collection does not depend on the machine, only skips do, and those
+    are read from the marks."""
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT / "src")}
+    files = ["tests/test_kernels.py", "tests/test_cuda.py"]
+    result = subprocess.run(
+        [sys.executable, "-c", COLLECT, str(path), *files],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    items: list[dict[str, Any]] = json.loads(path.read_text())
+    return items
+
+
+def test_every_interpreter_kernel_case_runs_on_cuda(tmp_path: Path) -> None:
+    """test_cuda.py must run, where CUDA exists, every kernel test that the interpreter suite
+    has: same name, same parameters, and no skip but the missing GPU."""
+    pytest.importorskip("triton", reason="without Triton no kernel runs anywhere")
+    items = collected(tmp_path / "items.json")
+    interpreter, on_cuda, strays = {}, {}, []
+    for item in items:
+        path, _, name = item["id"].partition("::")
+        if path == "tests/test_kernels.py" and item["class"] == "TestOnInterpreter":
+            interpreter[name.partition("::")[2]] = item
+        elif path == "tests/test_kernels.py" and name.split("[")[0] not in HOST_ONLY:
+            strays.append(item["id"])
+        elif path == "tests/test_cuda.py" and item["class"] == "TestKernelsOnCUDA":
+            on_cuda[name.partition("::")[2]] = item
+    assert not strays, (
+        "kernel tests outside KernelCases have no CUDA counterpart; move them into "
+        f"tests/kernel_cases.py (or into HOST_ONLY if they launch no kernel): {strays}"
+    )
+    assert interpreter, "the interpreter suite collected no kernel case"
+    missing = sorted(set(interpreter) - set(on_cuda))
+    assert not missing, f"test_cuda.py lacks these kernel cases: {missing}"
+    for name in interpreter:
+        assert set(interpreter[name]["skips"]) <= {INTERPRETER_GATE}, (name, interpreter[name])
+        assert set(on_cuda[name]["skips"]) <= {NEEDS_CUDA}, (name, on_cuda[name])
