@@ -338,6 +338,19 @@ class KernelCases:
         assert torch.equal(first, second)
         assert all(torch.equal(a, b) for a, b in zip(grads, copies, strict=True))
 
+    @pytest.mark.usefixtures("small_chunks")
+    def test_lars_gives_the_reference_at_every_call_on_one_table(self, device: str) -> None:
+        params, grads = tensors(torch.float64, device), tensors(torch.float64, device)
+        for _ in range(3):
+            for grad in grads:
+                grad.copy_(torch.randn(grad.shape, dtype=grad.dtype))
+            expected_rates, expected = lars_reference(params, grads, weight_decay=1e-2)
+            rates = run_lars(params, grads, weight_decay=1e-2)
+            assert_lars_result(rates, grads, expected_rates, expected)
+        (table,) = lars_kernels._tables.values()
+        # The last program of each tensor counted its chunks back to zero for the next call.
+        assert torch.equal(table.arrivals.cpu(), torch.zeros(len(params), dtype=torch.int64))
+
     @pytest.mark.parametrize(
         ("params", "grads", "found_inf", "match"),
         [

@@ -201,7 +201,13 @@ def test_inductor_compiled_step_matches_eager() -> None:
 if importlib.util.find_spec("triton") is not None:
     # Without Triton the library never launches a kernel (its dispatch requires Triton), so
     # neither suite has a kernel to test.
-    from kernel_cases import KernelCases, gain_shape, lars_reference, wn_reference, ws_reference
+    from kernel_cases import (
+        KernelCases,
+        gain_shape,
+        lars_reference,
+        wn_reference,
+        ws_reference,
+    )
     from normhooks._kernels.lars import lars_unit_
     from normhooks._kernels.weight_norm import weight_norm as fused_weight_norm
     from normhooks._kernels.weight_standardization import standardize_rows
@@ -315,12 +321,13 @@ if importlib.util.find_spec("triton") is not None:
 
 ROOT = Path(__file__).resolve().parents[1]
 INTERPRETER_GATE = "runs the kernels on CPU tensors through Triton's interpreter"
-# The tests of tests/test_kernels.py that launch no kernel, so have no CUDA counterpart.
-HOST_ONLY = {
-    "test_kernels_are_not_available_for_cpu_tensors",
-    "test_importing_normhooks_leaves_triton_unimported",
-    "test_kernels_compile_for_sm90",
-    "test_lars_table_cache_is_safe_across_threads",
+# The tests of tests/test_kernels.py outside KernelCases, and why none has a CUDA counterpart.
+NO_CUDA_COUNTERPART = {
+    "test_kernels_are_not_available_for_cpu_tensors": "launches no kernel",
+    "test_importing_normhooks_leaves_triton_unimported": "launches no kernel",
+    "test_kernels_compile_for_sm90": "compiles, launches nothing",
+    "test_lars_table_cache_is_safe_across_threads": "launches no kernel",
+    "test_lars_reads_each_partial_sum_once": "counts loads through the interpreter's hooks",
 }
 
 COLLECT = """
@@ -377,13 +384,14 @@ def test_every_interpreter_kernel_case_runs_on_cuda(tmp_path: Path) -> None:
         path, _, name = item["id"].partition("::")
         if path == "tests/test_kernels.py" and item["class"] == "TestOnInterpreter":
             interpreter[name.partition("::")[2]] = item
-        elif path == "tests/test_kernels.py" and name.split("[")[0] not in HOST_ONLY:
+        elif path == "tests/test_kernels.py" and name.split("[")[0] not in NO_CUDA_COUNTERPART:
             strays.append(item["id"])
         elif path == "tests/test_cuda.py" and item["class"] == "TestKernelsOnCUDA":
             on_cuda[name.partition("::")[2]] = item
     assert not strays, (
         "kernel tests outside KernelCases have no CUDA counterpart; move them into "
-        f"tests/kernel_cases.py (or into HOST_ONLY if they launch no kernel): {strays}"
+        "tests/kernel_cases.py (or, if they cannot run on CUDA, into NO_CUDA_COUNTERPART "
+        f"with the reason): {strays}"
     )
     assert interpreter, "the interpreter suite collected no kernel case"
     missing = sorted(set(interpreter) - set(on_cuda))

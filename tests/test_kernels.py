@@ -12,27 +12,83 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
 pytest.importorskip("triton", reason="the fused kernels need Triton")
 
-from kernel_cases import KernelCases
+from kernel_cases import KernelCases, run_lars
 from normhooks import _kernels
 from normhooks._kernels import lars as lars_kernels
 
 SRC = Path(__file__).resolve().parents[1] / "src"
-
-
-@pytest.mark.skipif(
+on_interpreter = pytest.mark.skipif(
     os.environ.get("TRITON_INTERPRET") != "1",
     reason="runs the kernels on CPU tensors through Triton's interpreter",
 )
+
+
+@on_interpreter
 class TestOnInterpreter(KernelCases):
     @pytest.fixture
     def device(self) -> str:
         return "cpu"
+
+
+# --------------------------------------------------------------------------------------------
+# What only the interpreter shows: the addresses a kernel reads.
+
+
+class Recording:
+    """Stands for a kernel and keeps the arguments of its last launch, by name."""
+
+    def __init__(self, kernel: Any) -> None:
+        self.kernel = kernel
+        self.arguments: dict[str, Any] = {}
+
+    def __getitem__(self, grid: tuple[int, ...]) -> Any:
+        def launch(*args: Any, **kwargs: Any) -> Any:
+            self.arguments = dict(zip(self.kernel.arg_names, args, strict=False)) | kwargs
+            return self.kernel[grid](*args, **kwargs)
+
+        return launch
+
+
+@on_interpreter
+def test_lars_reads_each_partial_sum_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Only the last program of a tensor adds its partial sums: reads grow with the number of
+    chunks, not with its square."""
+    from triton.runtime import interpreter
+
+    monkeypatch.setattr(lars_kernels, "_BLOCK", 16)
+    monkeypatch.setattr(lars_kernels, "_CHUNK", 64)
+    monkeypatch.setattr(lars_kernels, "_PARTIALS_BLOCK", 2)
+    monkeypatch.setattr(lars_kernels, "_tables", type(lars_kernels._tables)())
+    first_launch = Recording(lars_kernels._squares_and_rates)
+    monkeypatch.setattr(lars_kernels, "_squares_and_rates", first_launch)
+    read: list[np.ndarray] = []
+    load = interpreter.InterpreterBuilder.create_masked_load
+
+    def recorded_load(builder: Any, pointers: Any, mask: Any, *rest: Any) -> Any:
+        read.append(pointers.data[np.broadcast_to(mask.data, pointers.data.shape)])
+        return load(builder, pointers, mask, *rest)
+
+    monkeypatch.setattr(interpreter.InterpreterBuilder, "create_masked_load", recorded_load)
+    shapes = [(300,), (1000,), (10,)]  # 5, 16 and 1 chunks
+    params = [torch.randn(shape) for shape in shapes]
+    grads = [torch.randn(shape) for shape in shapes]
+    run_lars(params, grads)
+    partials = first_launch.arguments["partials"]
+    start, size = partials.data_ptr(), partials.element_size()
+    addresses = np.concatenate(read).astype(np.int64)
+    inside = addresses[(addresses >= start) & (addresses < start + partials.nbytes)]
+    # Two sums for each chunk of the tensors of several chunks (the one-chunk tensor's program
+    # keeps its own), each read once.
+    expected = start + size * np.arange(2 * (5 + 16))
+    assert sorted(inside.tolist()) == expected.tolist()
 
 
 # --------------------------------------------------------------------------------------------
@@ -57,69 +113,6 @@ def test_importing_normhooks_leaves_triton_unimported() -> None:
     assert result.returncode == 0, result.stderr
 
 
-COMPILE_ALL = """
-import triton, triton.language as tl
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-from normhooks._kernels import lars, weight_norm as wn, weight_standardization as ws
-
-def build(fn, pointers, scalars, constants):
-    signature = {name: "constexpr" if name in constants else pointers.get(name, scalars.get(name))
-                 for name in fn.arg_names}
-    triton.compile(ASTSource(fn, signature, constants), target=GPUTarget("cuda", 90, 32))
-
-for name, flag in (("fp32", False), ("fp16", True), ("bf16", False), ("fp64", True)):
-    dtype = getattr(tl, {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16",
-                         "fp64": "float64"}[name])
-    acc = tl.float64 if name == "fp64" else tl.float32
-    a = "*fp64" if name == "fp64" else "*fp32"
-    tables = {n: "*i64" for n in ("w_ptrs", "g_ptrs", "numels", "first_chunk", "chunk_tensor",
-                                  "chunk_start")}
-    sizes = {"block": 1024, "chunk_size": 32768}
-    build(lars._partial_squares, {**tables, "partials": a}, {},
-          {"dtype": dtype, "acc": acc, **sizes})
-    build(lars._scale,
-          {**tables, "partials": a, "rates": a, "grad_scale": "*fp32", "lr_tensor": a,
-           "found_inf": "*fp32"},
-          {n: "i64" for n in ("threshold", "weight_decay", "eps", "trust_coefficient", "lr")},
-          {"dtype": dtype, "acc": acc, **sizes, "partials_block": 128, "has_decay": flag,
-           "has_trust": flag, "clip": flag, "lr_is_tensor": flag,
-           "zero_denominator_is_one": not flag, "scaled": flag, "flag_overflow": flag})
-    p = "*" + name
-    rows = {"length": "i32", "count": "i32", "inner": "i32", "eps": "i64"}
-    build(wn._forward, {"v": p, "g": p, "w": p, "norms": a}, rows,
-          {"acc": acc, "block": 1024, "row_is_contiguous": flag})
-    build(wn._backward,
-          {"grad_w": p, "v": p, "g": p, "norms": a, "grad_v": p, "grad_g": p}, rows,
-          {"acc": acc, "block": 1024, "row_is_contiguous": not flag})
-    strides = {n: "i32" for n in ("length", "x_row_stride", "x_stride", "dy_row_stride",
-                                  "dy_stride")} | {"eps": "i64"}
-    build(ws._forward, {"x": p, "gain": p, "y": p, "means": a, "rstds": a}, strides,
-          {"acc": acc, "block": 1024, "has_gain": flag})
-    build(ws._backward,
-          {"grad_y": p, "x": p, "gain": p, "means": a, "rstds": a, "grad_x": p,
-           "grad_gain": p}, strides, {"acc": acc, "block": 1024, "has_gain": not flag})
-
-# The launcher turns an int argument equal to 1 into a constant unless told not to: every
-# kernel must compile with each of its int arguments that it lets be specialized equal to 1
-# (rows of one element, one row, unit strides).
-p = a = "*fp32"
-ws_pointers = {"x": p, "gain": p, "y": p, "means": a, "rstds": a, "grad_y": p, "grad_x": p,
-               "grad_gain": p}
-for fn, pointers, scalars in (
-    (wn._forward, {"v": p, "g": p, "w": p, "norms": a}, rows),
-    (wn._backward, {"grad_w": p, "v": p, "g": p, "norms": a, "grad_v": p, "grad_g": p}, rows),
-    (ws._forward, ws_pointers, strides),
-    (ws._backward, ws_pointers, strides),
-):
-    ones = {q.name: 1 for q in fn.params
-            if scalars.get(q.name) == "i32" and not q.do_not_specialize}
-    flags = {"row_is_contiguous": False} if fn in (wn._forward, wn._backward) else {
-        "has_gain": True}
-    build(fn, pointers, scalars, {"acc": tl.float32, "block": 16, **flags, **ones})
-"""
-
-
 def test_kernels_compile_for_sm90() -> None:
     """Every kernel in every dtype through Triton's real compiler, for an H100/H200.
 
@@ -129,8 +122,9 @@ def test_kernels_compile_for_sm90() -> None:
     pytest.importorskip("triton.backends.nvidia", reason="Triton without its CUDA backend")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = str(SRC)
+    script = Path(__file__).with_name("compile_kernels.py")
     result = subprocess.run(
-        [sys.executable, "-c", COMPILE_ALL], env=env, capture_output=True, text=True, check=False
+        [sys.executable, str(script)], env=env, capture_output=True, text=True, check=False
     )
     assert result.returncode == 0, result.stderr[-3000:]
 

@@ -1,10 +1,13 @@
 r"""LARS for every tensor of one device and dtype in two kernel launches.
 
-Launch 1 splits every tensor into chunks of ``_CHUNK`` values and writes each chunk's sums of
-squares of :math:`w` and :math:`g` (a multi-tensor pass: tensors are found through a table of
-addresses). Launch 2 runs one program per chunk again: each re-reduces its tensor's partial
-sums in a fixed order (deterministic, no float atomics), computes the tensor's rate and writes
-:math:`g \leftarrow r\,(g / s + \beta w)`, with :math:`s` a GradScaler's scale when given.
+Launch 1 splits every tensor into chunks of ``_CHUNK`` values and sums the squares of
+:math:`w` and :math:`g` in each (a multi-tensor pass: tensors are found through a table of
+addresses). A tensor of one chunk gets its rate from that program; in a tensor of several,
+each program writes its partial sums and counts itself in with an integer atomic, and the one
+that arrives last adds the tensor's partial sums in a fixed order (deterministic, no float
+atomics, each partial sum read once) and writes the rate. Launch 2 runs one program per chunk
+again and writes :math:`g \leftarrow r\,(g / s + \beta w)`, with :math:`s` a GradScaler's
+scale when given.
 """
 
 # Triton ships without type information: its modules and @triton.jit are untyped to mypy.
@@ -28,7 +31,7 @@ from normhooks._precision import compute_dtype
 # Values per program: a chunk is _CHUNK values of one tensor, read _BLOCK at a time.
 _BLOCK = 1024
 _CHUNK = 32 * _BLOCK
-# Partial sums re-reduced at a time in launch 2.
+# Partial sums added at a time by the last program of a tensor.
 _PARTIALS_BLOCK = 128
 # Tables kept for this many distinct sets of tensors (an optimizer has one per device, dtype
 # and param group; a few more cover models trained side by side).
@@ -36,50 +39,61 @@ _CACHE_SIZE = 64
 
 
 @triton.jit
-def _partial_squares(  # type: ignore[no-untyped-def]
-    w_ptrs,
-    g_ptrs,
-    numels,
-    chunk_tensor,
-    chunk_start,
-    partials,
-    dtype: tl.constexpr,
+def _rate(  # type: ignore[no-untyped-def]
+    w_squares,
+    g_squares,
+    grad_scale,
+    lr_tensor,
+    threshold,
+    weight_decay,
+    eps,
+    trust_coefficient,
+    lr,
     acc: tl.constexpr,
-    block: tl.constexpr,
-    chunk_size: tl.constexpr,
+    has_decay: tl.constexpr,
+    has_trust: tl.constexpr,
+    clip: tl.constexpr,
+    lr_is_tensor: tl.constexpr,
+    zero_denominator_is_one: tl.constexpr,
+    scaled: tl.constexpr,
 ):
-    chunk = tl.program_id(0)
-    tensor = tl.load(chunk_tensor + chunk)
-    start = tl.load(chunk_start + chunk)
-    numel = tl.load(numels + tensor)
-    w = tl.load(w_ptrs + tensor).to(tl.pointer_type(dtype))
-    g = tl.load(g_ptrs + tensor).to(tl.pointer_type(dtype))
-    w_acc = tl.zeros([block], dtype=acc)
-    g_acc = tl.zeros([block], dtype=acc)
-    for offset in tl.range(0, chunk_size, block):
-        index = start + offset + tl.arange(0, block)
-        mask = index < numel
-        w_values = tl.load(w + index, mask=mask, other=0.0).to(acc)
-        g_values = tl.load(g + index, mask=mask, other=0.0).to(acc)
-        w_acc += w_values * w_values
-        g_acc += g_values * g_values
-    tl.store(partials + 2 * chunk, tl.sum(w_acc, axis=0))
-    tl.store(partials + 2 * chunk + 1, tl.sum(g_acc, axis=0))
+    w_norm = sqrt(w_squares, acc)
+    g_norm = sqrt(g_squares, acc)
+    if scaled:
+        g_norm = div(g_norm, tl.load(grad_scale).to(acc), acc)
+    # The association of the eager formula: (||g|| + eps) + weight_decay * ||w||.
+    denominator = g_norm + as_float(eps, acc)
+    if has_decay:
+        denominator = denominator + as_float(weight_decay, acc) * w_norm
+    rate = div(w_norm, denominator, acc)
+    if has_trust:
+        rate = rate * as_float(trust_coefficient, acc)
+    if clip:
+        if lr_is_tensor:
+            rate = div(rate, tl.load(lr_tensor).to(acc), acc)
+        else:
+            rate = div(rate, as_float(lr, acc), acc)
+        # Not tl.minimum: a NaN rate stays NaN, as torch.clamp leaves it.
+        rate = tl.where(rate > 1.0, 1.0, rate)
+    keep = w_norm > as_float(threshold, acc)
+    if zero_denominator_is_one:
+        keep = keep & (denominator > 0.0)
+    return tl.where(keep, rate, 1.0).to(acc)
 
 
 @triton.jit(do_not_specialize=["threshold", "weight_decay", "eps", "trust_coefficient", "lr"])
-def _scale(  # type: ignore[no-untyped-def]
+def _squares_and_rates(  # type: ignore[no-untyped-def]
     w_ptrs,
     g_ptrs,
     numels,
     first_chunk,
     chunk_tensor,
     chunk_start,
+    arrivals,
     partials,
     rates,
     grad_scale,
     lr_tensor,
-    found_inf,
     threshold,
     weight_decay,
     eps,
@@ -96,51 +110,101 @@ def _scale(  # type: ignore[no-untyped-def]
     lr_is_tensor: tl.constexpr,
     zero_denominator_is_one: tl.constexpr,
     scaled: tl.constexpr,
-    flag_overflow: tl.constexpr,
 ):
-    chunk = tl.program_id(0)
+    chunk = tl.program_id(0).to(tl.int64)
     tensor = tl.load(chunk_tensor + chunk)
     start = tl.load(chunk_start + chunk)
     numel = tl.load(numels + tensor)
-    # The tensor's partial sums: chunks [low, high), added in a fixed order (see _common for
-    # why the loops over run-time bounds are while loops).
+    w = tl.load(w_ptrs + tensor).to(tl.pointer_type(dtype))
+    g = tl.load(g_ptrs + tensor).to(tl.pointer_type(dtype))
+    w_acc = tl.zeros([block], dtype=acc)
+    g_acc = tl.zeros([block], dtype=acc)
+    for offset in tl.range(0, chunk_size, block):
+        index = start + offset + tl.arange(0, block)
+        mask = index < numel
+        w_values = tl.load(w + index, mask=mask, other=0.0).to(acc)
+        g_values = tl.load(g + index, mask=mask, other=0.0).to(acc)
+        w_acc += w_values * w_values
+        g_acc += g_values * g_values
+    w_squares = tl.sum(w_acc, axis=0)
+    g_squares = tl.sum(g_acc, axis=0)
     low = tl.load(first_chunk + tensor)
     high = tl.load(first_chunk + tensor + 1)
-    w_sums = tl.zeros([partials_block], dtype=acc)
-    g_sums = tl.zeros([partials_block], dtype=acc)
-    first = low
-    while first < high:
-        index = first + tl.arange(0, partials_block)
-        mask = index < high
-        w_sums += tl.load(partials + 2 * index, mask=mask, other=0.0)
-        g_sums += tl.load(partials + 2 * index + 1, mask=mask, other=0.0)
-        first += partials_block
-    w_norm = sqrt(tl.sum(w_sums, axis=0), acc)
-    g_norm = sqrt(tl.sum(g_sums, axis=0), acc)
+    last = high - low == 1
+    if high - low > 1:
+        tl.store(partials + 2 * chunk, w_squares)
+        tl.store(partials + 2 * chunk + 1, g_squares)
+        # Every thread's store is done before the release below publishes them to the
+        # program that arrives last; that one's acquire makes them visible to it.
+        tl.debug_barrier()
+        arrived = tl.atomic_add(arrivals + tensor, 1, sem="acq_rel")
+        last = arrived == high - low - 1
+        if last:
+            # The tensor's partial sums in a fixed order, whichever program arrives last
+            # (see _common for why the loops over run-time bounds are while loops).
+            w_sums = tl.zeros([partials_block], dtype=acc)
+            g_sums = tl.zeros([partials_block], dtype=acc)
+            first = low
+            while first < high:
+                index = first + tl.arange(0, partials_block)
+                mask = index < high
+                w_sums += tl.load(partials + 2 * index, mask=mask, other=0.0)
+                g_sums += tl.load(partials + 2 * index + 1, mask=mask, other=0.0)
+                first += partials_block
+            w_squares = tl.sum(w_sums, axis=0)
+            g_squares = tl.sum(g_sums, axis=0)
+            # Every other program of the tensor has arrived: the count is free for the next
+            # launch, which finds it at zero.
+            tl.store(arrivals + tensor, 0)
+    if last:
+        rate = _rate(
+            w_squares,
+            g_squares,
+            grad_scale,
+            lr_tensor,
+            threshold,
+            weight_decay,
+            eps,
+            trust_coefficient,
+            lr,
+            acc,
+            has_decay,
+            has_trust,
+            clip,
+            lr_is_tensor,
+            zero_denominator_is_one,
+            scaled,
+        )
+        tl.store(rates + tensor, rate)
+
+
+@triton.jit(do_not_specialize=["weight_decay"])
+def _scale(  # type: ignore[no-untyped-def]
+    w_ptrs,
+    g_ptrs,
+    numels,
+    chunk_tensor,
+    chunk_start,
+    rates,
+    grad_scale,
+    found_inf,
+    weight_decay,
+    dtype: tl.constexpr,
+    acc: tl.constexpr,
+    block: tl.constexpr,
+    chunk_size: tl.constexpr,
+    has_decay: tl.constexpr,
+    scaled: tl.constexpr,
+    flag_overflow: tl.constexpr,
+):
+    chunk = tl.program_id(0).to(tl.int64)
+    tensor = tl.load(chunk_tensor + chunk)
+    start = tl.load(chunk_start + chunk)
+    numel = tl.load(numels + tensor)
+    rate = tl.load(rates + tensor)
     decay = as_float(weight_decay, acc)
     if scaled:
         scale = tl.load(grad_scale).to(acc)
-        g_norm = div(g_norm, scale, acc)
-    # The association of the eager formula: (||g|| + eps) + weight_decay * ||w||.
-    denominator = g_norm + as_float(eps, acc)
-    if has_decay:
-        denominator = denominator + decay * w_norm
-    rate = div(w_norm, denominator, acc)
-    if has_trust:
-        rate = rate * as_float(trust_coefficient, acc)
-    if clip:
-        if lr_is_tensor:
-            rate = div(rate, tl.load(lr_tensor).to(acc), acc)
-        else:
-            rate = div(rate, as_float(lr, acc), acc)
-        # Not tl.minimum: a NaN rate stays NaN, as torch.clamp leaves it.
-        rate = tl.where(rate > 1.0, 1.0, rate)
-    keep = w_norm > as_float(threshold, acc)
-    if zero_denominator_is_one:
-        keep = keep & (denominator > 0.0)
-    rate = tl.where(keep, rate, 1.0).to(acc)
-    tl.store(rates + tensor, rate, mask=start == 0)
-
     w = tl.load(w_ptrs + tensor).to(tl.pointer_type(dtype))
     g = tl.load(g_ptrs + tensor).to(tl.pointer_type(dtype))
     finite = tl.full([block], 1, dtype=tl.int1)
@@ -184,6 +248,9 @@ class _Table:
             first,
             chunk_tensor,
             chunk_start,
+            # Programs of each tensor that have written their partial sums; the last one
+            # resets its count, so the table leaves every launch as it found it.
+            [0] * len(params),
         ]
         host = torch.tensor([x for row in rows for x in row], dtype=torch.int64)
         device = params[0].device
@@ -200,6 +267,7 @@ class _Table:
             self.first_chunk,
             self.chunk_tensor,
             self.chunk_start,
+            self.arrivals,
         ) = parts
 
 
@@ -209,8 +277,9 @@ _tables_lock = threading.Lock()
 
 
 def _table(params: Sequence[Tensor], grads: Sequence[Tensor]) -> _Table:
+    device = params[0].device
     key = (
-        params[0].device,
+        device,
         params[0].dtype,
         _CHUNK,
         tuple(map(Tensor.data_ptr, params)),
@@ -221,15 +290,15 @@ def _table(params: Sequence[Tensor], grads: Sequence[Tensor]) -> _Table:
         table = _tables.get(key)
         if table is not None:
             _tables.move_to_end(key)
-            return table
-    # Checked once per set of tensors: torch keeps a .grad of its parameter's shape, dtype
-    # and device, so a set found again by address has passed already.
-    _check(params, grads)
-    table = _Table(params, grads, _CHUNK)
-    with _tables_lock:
-        _tables[key] = table
-        if len(_tables) > _CACHE_SIZE:
-            _tables.popitem(last=False)
+    if table is None:
+        # Checked once per set of tensors: torch keeps a .grad of its parameter's shape,
+        # dtype and device, so a set found again by address has passed already.
+        _check(params, grads)
+        table = _Table(params, grads, _CHUNK)
+        with _tables_lock:
+            _tables[key] = table
+            if len(_tables) > _CACHE_SIZE:
+                _tables.popitem(last=False)
     return table
 
 
@@ -328,40 +397,28 @@ def lars_unit_(
                 grads[i] = grad.contiguous()
                 if grads[i] is not grad:
                     originals.append((grad, grads[i]))
-    table = _table(params, grads)
-    partials = torch.empty(2 * table.chunks, dtype=acc, device=device)
-    rates = torch.empty(len(params), dtype=acc, device=device)
-    scale = grad_scale.to(device) if grad_scale is not None else None
     lr_is_tensor = isinstance(lr, Tensor)
-    lr_tensor = lr.to(device, acc) if isinstance(lr, Tensor) else None
     clipping = clip and lr is not None
-    dtype_tl, acc_tl = _tl_dtype(dtype), acc_dtype(dtype)
-    grid = (table.chunks,)
     with on_device(device):
-        _partial_squares[grid](
-            table.w_ptrs,
-            table.g_ptrs,
-            table.numels,
-            table.chunk_tensor,
-            table.chunk_start,
-            partials,
-            dtype=dtype_tl,
-            acc=acc_tl,
-            block=_BLOCK,
-            chunk_size=_CHUNK,
-        )
-        _scale[grid](
+        table = _table(params, grads)
+        partials = torch.empty(2 * table.chunks, dtype=acc, device=device)
+        rates = torch.empty(len(params), dtype=acc, device=device)
+        scale = grad_scale.to(device) if grad_scale is not None else None
+        lr_tensor = lr.to(device, acc) if isinstance(lr, Tensor) else None
+        dtype_tl, acc_tl = _tl_dtype(dtype), acc_dtype(dtype)
+        grid = (table.chunks,)
+        _squares_and_rates[grid](
             table.w_ptrs,
             table.g_ptrs,
             table.numels,
             table.first_chunk,
             table.chunk_tensor,
             table.chunk_start,
+            table.arrivals,
             partials,
             rates,
             scale if scale is not None else rates,
             lr_tensor if lr_tensor is not None else rates,
-            found_inf if found_inf is not None else rates,
             bits(threshold),
             bits(weight_decay),
             bits(eps),
@@ -377,6 +434,23 @@ def lars_unit_(
             clip=clipping,
             lr_is_tensor=lr_is_tensor,
             zero_denominator_is_one=eps == 0 and weight_decay == 0,
+            scaled=scale is not None,
+        )
+        _scale[grid](
+            table.w_ptrs,
+            table.g_ptrs,
+            table.numels,
+            table.chunk_tensor,
+            table.chunk_start,
+            rates,
+            scale if scale is not None else rates,
+            found_inf if found_inf is not None else rates,
+            bits(weight_decay),
+            dtype=dtype_tl,
+            acc=acc_tl,
+            block=_BLOCK,
+            chunk_size=_CHUNK,
+            has_decay=weight_decay != 0,
             scaled=scale is not None,
             flag_overflow=found_inf is not None,
         )
