@@ -171,9 +171,20 @@ class KernelCases:
         monkeypatch.setattr(lars_kernels, "_BLOCK", 16)
         monkeypatch.setattr(lars_kernels, "_CHUNK", 64)
         monkeypatch.setattr(lars_kernels, "_PARTIALS_BLOCK", 2)
+        monkeypatch.setattr(lars_kernels, "_kept", [])
         lars_kernels._tables.clear()
         yield
         lars_kernels._tables.clear()
+
+    @pytest.fixture
+    def capturing(self, monkeypatch: pytest.MonkeyPatch) -> Callable[[bool], None]:
+        """Sets whether the kernel sees a CUDA-graph capture underway (nothing is captured:
+        what it refuses and keeps does not depend on it)."""
+
+        def set_capturing(value: bool) -> None:
+            monkeypatch.setattr(lars_kernels, "_capturing", lambda device: value)
+
+        return set_capturing
 
     # ----------------------------------------------------------------------------------------
     # LARS
@@ -350,6 +361,63 @@ class KernelCases:
         (table,) = lars_kernels._tables.values()
         # The last program of each tensor counted its chunks back to zero for the next call.
         assert torch.equal(table.arrivals.cpu(), torch.zeros(len(params), dtype=torch.int64))
+
+    @pytest.mark.usefixtures("small_chunks")
+    def test_lars_under_capture_refuses_tensors_it_has_not_seen(
+        self, device: str, capturing: Callable[[bool], None]
+    ) -> None:
+        params, grads = tensors(torch.float32, device), tensors(torch.float32, device)
+        before = [g.clone() for g in grads]
+        capturing(True)
+        with pytest.raises(RuntimeError, match=r"before capturing.*set_to_none=False"):
+            run_lars(params, grads)
+        assert not lars_kernels._tables
+        assert all(torch.equal(g, b) for g, b in zip(grads, before, strict=True))
+
+    @pytest.mark.usefixtures("small_chunks")
+    def test_lars_under_capture_refuses_a_float_lr_to_clip_by(
+        self, device: str, capturing: Callable[[bool], None]
+    ) -> None:
+        params, grads = tensors(torch.float32, device), tensors(torch.float32, device)
+        run_lars(params, grads)  # the table, built before the capture
+        before = [g.clone() for g in grads]
+        capturing(True)
+        with pytest.raises(TypeError, match=r"float lr would be fixed.*lr=0\.1"):
+            run_lars(params, grads, clip=True, lr=0.1)
+        assert all(torch.equal(g, b) for g, b in zip(grads, before, strict=True))
+
+    @pytest.mark.parametrize(
+        "settings",
+        [
+            pytest.param({"clip": True, "lr": "tensor"}, id="clip-tensor-lr"),
+            pytest.param({"lr": 0.1}, id="float-lr-without-clip"),
+        ],
+    )
+    @pytest.mark.usefixtures("small_chunks")
+    def test_lars_under_capture_runs_on_a_table_built_before_and_keeps_it(
+        self,
+        settings: dict[str, Any],
+        device: str,
+        capturing: Callable[[bool], None],
+        monkeypatch: pytest.MonkeyPatch,
+    ) -> None:
+        params, grads = tensors(torch.float32, device), tensors(torch.float32, device)
+        run_lars(params, grads)
+        (table,) = lars_kernels._tables.values()
+        settings = dict(settings)
+        lr = 0.5 if settings.get("clip") else 0.1
+        expected_rates, expected = lars_reference(params, grads, **settings | {"lr": lr})
+        if settings["lr"] == "tensor":
+            settings["lr"] = torch.tensor(lr, device=device)
+        capturing(True)
+        rates = run_lars(params, grads, **settings)
+        assert_lars_result(rates, grads, expected_rates, expected)
+        # A graph replays its table's addresses: dropped from the cache, it stays alive.
+        capturing(False)
+        monkeypatch.setattr(lars_kernels, "_CACHE_SIZE", 1)
+        run_lars(tensors(torch.float32, device), tensors(torch.float32, device))
+        assert table not in lars_kernels._tables.values()
+        assert any(kept is table for kept in lars_kernels._kept)
 
     @pytest.mark.parametrize(
         ("params", "grads", "found_inf", "match"),

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from helpers import assert_compiled_training_matches_eager, assert_grad_scaler_matches_unscaled
 from normhooks import (
@@ -203,11 +203,13 @@ if importlib.util.find_spec("triton") is not None:
     # neither suite has a kernel to test.
     from kernel_cases import (
         KernelCases,
+        assert_lars_result,
         gain_shape,
         lars_reference,
         wn_reference,
         ws_reference,
     )
+    from normhooks._kernels import lars as lars_kernels
     from normhooks._kernels.lars import lars_unit_
     from normhooks._kernels.weight_norm import weight_norm as fused_weight_norm
     from normhooks._kernels.weight_standardization import standardize_rows
@@ -267,6 +269,116 @@ if importlib.util.find_spec("triton") is not None:
                 lars_unit_(params, grads, **settings)
             finally:
                 torch.cuda.set_sync_debug_mode("default")
+
+        def test_lars_table_dropped_while_another_stream_still_reads_it(
+            self, monkeypatch: pytest.MonkeyPatch
+        ) -> None:
+            """A table built on one stream, last used on another, then dropped from the cache:
+            its memory must not serve the first stream before the second is done with it."""
+            monkeypatch.setattr(lars_kernels, "_CACHE_SIZE", 1)
+            monkeypatch.setattr(lars_kernels, "_tables", type(lars_kernels._tables)())
+            settings: dict[str, Any] = {
+                "threshold": 1e-2,
+                "weight_decay": 1e-3,
+                "eps": 1e-9,
+                "trust_coefficient": 1.0,
+                "lr": None,
+                "clip": False,
+                "grad_scale": None,
+                "found_inf": None,
+            }
+            params = [torch.randn(70000), torch.randn(3, 5)]
+            grads = [torch.randn(70000), torch.randn(3, 5)]
+            _, once = lars_reference(params, grads, weight_decay=1e-3)
+            _, twice = lars_reference(params, once, weight_decay=1e-3)
+            on_gpu = [p.cuda() for p in params]
+            grads_on_gpu = [g.cuda() for g in grads]
+            builder, user = torch.cuda.Stream(), torch.cuda.Stream()
+            builder.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(builder):
+                lars_unit_(on_gpu, grads_on_gpu, **settings)  # builds the table here
+            user.wait_stream(builder)
+            with torch.cuda.stream(user):
+                torch.cuda._sleep(200_000_000)  # the launches below wait behind this
+                lars_unit_(on_gpu, grads_on_gpu, **settings)
+            with torch.cuda.stream(builder):
+                other = [torch.randn(10, device="cuda")]
+                lars_unit_(other, [torch.randn(10, device="cuda")], **settings)  # drops it
+                # Small blocks of the builder's stream, zeroed: the dropped table's among
+                # them unless the user's stream still holds it.
+                taken = [torch.zeros(64, dtype=torch.int64, device="cuda") for _ in range(512)]
+            torch.cuda.synchronize()
+            del taken
+            for grad, want in zip(grads_on_gpu, twice, strict=True):
+                torch.testing.assert_close(grad.cpu(), want.float())
+
+        @staticmethod
+        def clip_settings(lr: float | Tensor) -> dict[str, Any]:
+            return {
+                "threshold": 1e-2,
+                "weight_decay": 1e-3,
+                "eps": 1e-9,
+                "trust_coefficient": 1e-3,
+                "lr": lr,
+                "clip": True,
+                "grad_scale": None,
+                "found_inf": None,
+            }
+
+        def test_lars_kernel_in_a_cuda_graph_follows_a_tensor_lr(self) -> None:
+            params = [torch.randn(70000, device="cuda"), torch.randn(64, 3, 3, 3, device="cuda")]
+            sources = [torch.randn_like(p) for p in params]
+            grads = [torch.empty_like(p) for p in params]
+            lr = torch.tensor(1.0, device="cuda")
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):  # compiles and builds the table before capturing
+                for grad, source in zip(grads, sources, strict=True):
+                    grad.copy_(source)
+                lars_unit_(params, grads, **self.clip_settings(lr))
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                for grad, source in zip(grads, sources, strict=True):
+                    grad.copy_(source)
+                rates = lars_unit_(params, grads, **self.clip_settings(lr))
+            # Unclipped, clipped in part, clipped: each replay reads the lr of its time.
+            for value in (1.0, 1e-2, 1e-4):
+                lr.fill_(value)
+                graph.replay()
+                expected_rates, expected = lars_reference(
+                    params,
+                    sources,
+                    weight_decay=1e-3,
+                    trust_coefficient=1e-3,
+                    lr=value,
+                    clip=True,
+                )
+                assert_lars_result(rates, grads, expected_rates, expected)
+
+        def test_lars_kernel_refuses_tensors_first_seen_inside_a_capture(self) -> None:
+            params = [torch.randn(100, device="cuda")]
+            grads = [torch.randn(100, device="cuda")]
+            before = grads[0].clone()
+            graph = torch.cuda.CUDAGraph()
+            with (
+                pytest.raises(RuntimeError, match="before capturing"),
+                torch.cuda.graph(graph),
+            ):
+                lars_unit_(params, grads, **self.clip_settings(torch.tensor(0.1, device="cuda")))
+            assert torch.equal(grads[0], before)
+
+        def test_lars_kernel_refuses_a_float_lr_to_clip_by_inside_a_capture(self) -> None:
+            params = [torch.randn(100, device="cuda")]
+            grads = [torch.randn(100, device="cuda")]
+            lars_unit_(params, grads, **self.clip_settings(0.1))
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with (
+                pytest.raises(TypeError, match="float lr would be fixed"),
+                torch.cuda.graph(graph),
+            ):
+                lars_unit_(params, grads, **self.clip_settings(0.1))
 
         @pytest.mark.parametrize(
             "dtype", [torch.float32, torch.float64], ids=["float32", "float64"]

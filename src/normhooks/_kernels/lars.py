@@ -254,10 +254,17 @@ class _Table:
         ]
         host = torch.tensor([x for row in rows for x in row], dtype=torch.int64)
         device = params[0].device
+        self.stream = _stream(device)
+        self.streams: set[int] = set()
         if device.type == "cuda":
             # Built once per set of tensors; a pinned copy does not wait for the device.
             host = host.pin_memory()
         table = host.to(device, non_blocking=True)
+        if device.type == "cuda":
+            # What another stream waits for before its first launch with this table.
+            self.ready = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            self.ready.record()
+        self.storage = table
         self.chunks = len(chunk_tensor)
         parts = torch.split(table, [len(row) for row in rows])
         (
@@ -270,13 +277,51 @@ class _Table:
             self.arrivals,
         ) = parts
 
+    def use_on(self, stream: int | None, capturing: bool) -> None:
+        """Makes the table safe to launch with on the current stream (raw id ``stream``).
+
+        On the stream that built it, stream order does it all. Another stream first waits
+        for the table's copy, and is recorded on its memory: when the cache drops the table,
+        torch's allocator reuses the block only once that stream's work so far is done.
+        Under CUDA-graph capture the graph keeps the table's addresses for every replay, so
+        the table is kept for the life of the process (a waiting stream cannot be captured;
+        torch.cuda.graph synchronizes the device before capturing, so the copy is done).
+        """
+        if capturing:
+            with _tables_lock:
+                if all(kept is not self for kept in _kept):
+                    _kept.append(self)
+            return
+        if stream == self.stream or stream in self.streams:
+            return
+        current = torch.cuda.current_stream(self.storage.device)
+        current.wait_event(self.ready)
+        self.storage.record_stream(current)
+        self.streams.add(stream)  # type: ignore[arg-type]
+
 
 _tables: OrderedDict[tuple[object, ...], _Table] = OrderedDict()
+# Tables that a CUDA graph captured: never dropped, since any replay reads them.
+_kept: list[_Table] = []
 # Optimizer steps may run in several threads (one model per thread); the table cache is shared.
 _tables_lock = threading.Lock()
 
 
-def _table(params: Sequence[Tensor], grads: Sequence[Tensor]) -> _Table:
+def _stream(device: torch.device) -> int | None:
+    """The raw id of the current stream on ``device`` (None off CUDA), as Triton reads it for
+    each launch."""
+    if device.type != "cuda":
+        return None
+    stream: int = triton.runtime.driver.active.get_current_stream(device.index)
+    return stream
+
+
+def _capturing(device: torch.device) -> bool:
+    """Whether the current stream (of the current device) is capturing a CUDA graph."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def _table(params: Sequence[Tensor], grads: Sequence[Tensor], capturing: bool) -> _Table:
     device = params[0].device
     key = (
         device,
@@ -291,6 +336,17 @@ def _table(params: Sequence[Tensor], grads: Sequence[Tensor]) -> _Table:
         if table is not None:
             _tables.move_to_end(key)
     if table is None:
+        if capturing:
+            raise RuntimeError(
+                "LARS's Triton kernel meets these tensors for the first time inside a "
+                "CUDA-graph capture, where it cannot build their table of addresses (the "
+                "graph would replay its copy from freed host memory). Run a step on the same "
+                "tensors before capturing, and keep the gradients where they are: clear them "
+                "with optimizer.zero_grad(set_to_none=False), inside the captured step too, "
+                "since gradients set to None are reallocated inside the capture. Parameters "
+                "or gradients that are not dense are copied at every step, so cannot be "
+                "captured with the kernel."
+            )
         # Checked once per set of tensors: torch keeps a .grad of its parameter's shape,
         # dtype and device, so a set found again by address has passed already.
         _check(params, grads)
@@ -299,6 +355,7 @@ def _table(params: Sequence[Tensor], grads: Sequence[Tensor]) -> _Table:
             _tables[key] = table
             if len(_tables) > _CACHE_SIZE:
                 _tables.popitem(last=False)
+    table.use_on(_stream(device), capturing)
     return table
 
 
@@ -359,6 +416,9 @@ def lars_unit_(
     set of tensors (one host-to-device copy, from pinned memory) and reused while the tensors
     keep their addresses and sizes. Tensors that are not dense, or whose gradient is laid out
     unlike the parameter, go through contiguous copies (and their tables are rebuilt each call).
+    A table is safe on any stream (see :meth:`_Table.use_on`). Under CUDA-graph capture a
+    table is never built (the tensors must have been seen before capturing) and ``clip``
+    needs a tensor ``lr``: a float would be fixed into the graph.
 
     Args:
         params: the parameters :math:`w`, all of one device and floating dtype.
@@ -400,7 +460,15 @@ def lars_unit_(
     lr_is_tensor = isinstance(lr, Tensor)
     clipping = clip and lr is not None
     with on_device(device):
-        table = _table(params, grads)
+        capturing = _capturing(device)
+        if capturing and clipping and not lr_is_tensor:
+            raise TypeError(
+                "clip=True divides the rates by lr, and a float lr would be fixed into the "
+                "CUDA graph being captured (a scheduler's later lr would be ignored on "
+                "replay); under capture give lr as a 1-element tensor on the device, which "
+                f"schedulers update in place, got lr={lr!r}"
+            )
+        table = _table(params, grads, capturing)
         partials = torch.empty(2 * table.chunks, dtype=acc, device=device)
         rates = torch.empty(len(params), dtype=acc, device=device)
         scale = grad_scale.to(device) if grad_scale is not None else None
