@@ -12,7 +12,7 @@ import itertools
 import re
 import sys
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import triton
 import triton.language as tl
@@ -134,64 +134,120 @@ def lars_kernels() -> None:
         )
 
 
-def weight_norm_kernels() -> None:
-    scalars = {"length": "i32", "count": "i32", "inner": "i32", "eps": "i64"}
-    for dtype in DTYPES:
-        p, a = "*" + dtype, "*fp64" if dtype == "fp64" else "*fp32"
-        for contiguous in (False, True):
-            constants = {"acc": accumulator(dtype), "block": 1024, "row_is_contiguous": contiguous}
-            build(wn._forward, {"v": p, "g": p, "w": p, "norms": a, **scalars}, constants)
-            build(
-                wn._backward,
-                {"grad_w": p, "v": p, "g": p, "norms": a, "grad_v": p, "grad_g": p, **scalars},
-                constants,
-            )
+class RowKernel(NamedTuple):
+    """A row kernel and what its arguments are: ``values`` point to the tensor's dtype,
+    ``sums`` to its accumulator dtype, ``ints`` are sizes and strides."""
+
+    fn: Any
+    values: tuple[str, ...]
+    sums: tuple[str, ...]
+    ints: tuple[str, ...]
+    flags: tuple[str, ...]
+    first_launch: bool
 
 
-def standardization_kernels() -> None:
-    strides = dict.fromkeys(
-        ("length", "x_row_stride", "x_stride", "dy_row_stride", "dy_stride"), "i32"
-    )
-    for dtype in DTYPES:
-        p, a = "*" + dtype, "*fp64" if dtype == "fp64" else "*fp32"
-        pointers = {"x": p, "gain": p, "y": p, "means": a, "rstds": a}
-        pointers |= {"grad_y": p, "grad_x": p, "grad_gain": p}
-        for gain in (False, True):
-            constants = {"acc": accumulator(dtype), "block": 1024, "has_gain": gain}
-            build(ws._forward, {**pointers, **strides, "eps": "i64"}, constants)
-            build(ws._backward, {**pointers, **strides}, constants)
+WN_INTS = ("length", "count", "inner", "segment", "splits")
+WS_INTS = ("length", "segment", "splits")
+ROW_KERNELS = [
+    RowKernel(wn._squares, ("v",), ("partials",), WN_INTS, ("row_is_contiguous",), True),
+    RowKernel(
+        wn._forward,
+        ("v", "g", "w"),
+        ("norms", "partials"),
+        WN_INTS,
+        ("row_is_contiguous", "split"),
+        False,
+    ),
+    RowKernel(wn._products, ("grad_w", "v"), ("partials",), WN_INTS, ("row_is_contiguous",), True),
+    RowKernel(
+        wn._backward,
+        ("grad_w", "v", "g", "grad_v", "grad_g"),
+        ("norms", "partials"),
+        WN_INTS,
+        ("row_is_contiguous", "split"),
+        False,
+    ),
+    RowKernel(
+        ws._moments, ("x",), ("sums", "squares"), (*WS_INTS, "x_row_stride", "x_stride"), (), True
+    ),
+    RowKernel(
+        ws._forward,
+        ("x", "gain", "y"),
+        ("means", "rstds", "sums", "squares"),
+        (*WS_INTS, "x_row_stride", "x_stride"),
+        ("has_gain", "split"),
+        False,
+    ),
+    RowKernel(
+        ws._sums,
+        ("grad_y", "x"),
+        ("means", "rstds", "incoming_sums", "product_sums"),
+        (*WS_INTS, "dy_row_stride", "dy_stride", "x_row_stride", "x_stride"),
+        (),
+        True,
+    ),
+    RowKernel(
+        ws._backward,
+        ("grad_y", "x", "gain", "grad_x", "grad_gain"),
+        ("means", "rstds", "incoming_sums", "product_sums"),
+        (*WS_INTS, "dy_row_stride", "dy_stride", "x_row_stride", "x_stride"),
+        ("has_gain", "split"),
+        False,
+    ),
+]
+
+
+def build_row(
+    kernel: RowKernel, dtype: str, setting: dict[str, bool], ints: str = "i32", **options: Any
+) -> Any:
+    a = "*fp64" if dtype == "fp64" else "*fp32"
+    types = dict.fromkeys(kernel.values, "*" + dtype) | dict.fromkeys(kernel.sums, a)
+    types |= dict.fromkeys(kernel.ints, ints) | {"eps": "i64"}
+    split = setting.get("split", kernel.first_launch)
+    constants: dict[str, Any] = {"acc": accumulator(dtype), "block": 1024, **setting}
+    if "split" in kernel.flags:
+        constants["partials_block"] = 128 if split else 1
+    compiled = build(kernel.fn, types, constants, **options)
+    if setting["wide"]:
+        check_wide(compiled, f"{kernel.fn.__module__}.{kernel.fn.__name__} (wide, {ints} sizes)")
+    return compiled
+
+
+def row_kernels() -> None:
+    for kernel in ROW_KERNELS:
+        for dtype, setting in sweep((*kernel.flags, "wide")):
+            build_row(kernel, dtype, setting)
+        # 64-bit sizes: a row, or the tensor's extent, past 2**31.
+        every = dict.fromkeys((*kernel.flags, "wide"), True)
+        build_row(kernel, "fp32", every, ints="i64")
+        build_row(kernel, "fp32", every, aligned=False)
 
 
 def ones_kernels() -> None:
-    """Every kernel with each int argument that it lets be specialized equal to 1 (rows of one
-    element, one row, unit strides): the launcher makes those constants."""
-    p = a = "*fp32"
-    wn_types = {"v": p, "g": p, "w": p, "norms": a, "grad_w": p, "grad_v": p, "grad_g": p}
-    wn_types |= {"length": "i32", "count": "i32", "inner": "i32", "eps": "i64"}
-    ws_types = {"x": p, "gain": p, "y": p, "means": a, "rstds": a, "grad_y": p, "grad_x": p}
-    ws_types |= {"grad_gain": p, "eps": "i64"}
-    ws_types |= dict.fromkeys(
-        ("length", "x_row_stride", "x_stride", "dy_row_stride", "dy_stride"), "i32"
-    )
-    for fn, types, constants in (
-        (wn._forward, wn_types, {"row_is_contiguous": False}),
-        (wn._backward, wn_types, {"row_is_contiguous": False}),
-        (ws._forward, ws_types, {"has_gain": True}),
-        (ws._backward, ws_types, {"has_gain": True}),
-    ):
-        ones = tuple(
-            q.name
-            for q in fn.params
-            if types.get(q.name) == "i32" and not q.do_not_specialize and q.name in fn.arg_names
-        )
-        types = {name: kind for name, kind in types.items() if name in fn.arg_names}
-        build(fn, types, {"acc": tl.float32, "block": 16, **constants}, ones=ones)
+    """Every row kernel with each int argument that it lets be specialized equal to 1 (rows of
+    one element, one row, unit strides, whole rows): the launcher makes those constants. A
+    split row has two segments or more, of a block or more."""
+    for kernel in ROW_KERNELS:
+        for setting in flags((*kernel.flags, "wide")):
+            split = setting.get("split", kernel.first_launch)
+            names = {q.name for q in kernel.fn.params if not q.do_not_specialize}
+            ones = tuple(
+                name
+                for name in kernel.ints
+                if name in names and not (split and name in ("segment", "splits", "length"))
+            )
+            a = "*fp32"
+            types = dict.fromkeys((*kernel.values, *kernel.sums), a)
+            types |= dict.fromkeys(kernel.ints, "i32") | {"eps": "i64"}
+            constants: dict[str, Any] = {"acc": tl.float32, "block": 16, **setting}
+            if "split" in kernel.flags:
+                constants["partials_block"] = 2 if split else 1
+            build(kernel.fn, types, constants, ones=ones)
 
 
 def main() -> None:
     lars_kernels()
-    weight_norm_kernels()
-    standardization_kernels()
+    row_kernels()
     ones_kernels()
 
 

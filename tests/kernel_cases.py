@@ -18,7 +18,9 @@ from torch import Tensor
 
 pytest.importorskip("triton", reason="the fused kernels need Triton")
 
+from normhooks._kernels import _common
 from normhooks._kernels import lars as lars_kernels
+from normhooks._kernels import weight_norm as wn_kernels
 from normhooks._kernels import weight_standardization as ws_kernels
 from normhooks._kernels.weight_norm import weight_norm
 
@@ -147,6 +149,18 @@ SETTINGS = [
     pytest.param({"eps": 0.5, "weight_decay": 0.1}, id="large-eps"),
 ]
 
+# How rows are spread over programs (see row_plan): whole rows as on a GPU at these sizes;
+# tiny rows split into segments of 16 (blocks of 16); and either in 64-bit offsets.
+ROWS = [
+    pytest.param({}, id="whole"),
+    pytest.param({"MAX_BLOCK": 16, "MIN_SEGMENT": 16, "MIN_PROGRAMS": 64}, id="split"),
+    pytest.param({"INT32_SAFE": 0}, id="wide"),
+    pytest.param(
+        {"MAX_BLOCK": 16, "MIN_SEGMENT": 16, "MIN_PROGRAMS": 64, "INT32_SAFE": 0},
+        id="split-wide",
+    ),
+]
+
 WN_CASES = [
     pytest.param((6, 3, 3), 0, id="dim0"),
     pytest.param((3, 6, 2), 1, id="dim1"),
@@ -175,6 +189,22 @@ class KernelCases:
         lars_kernels._tables.clear()
         yield
         lars_kernels._tables.clear()
+
+    @pytest.fixture
+    def rows(
+        self, monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest
+    ) -> Callable[[_common.RowPlan], None]:
+        """Sets how row kernels spread rows over programs, from ``request.param``; returns a
+        check that a plan does what the param asks."""
+        settings: dict[str, int] = request.param
+        for name, value in settings.items():
+            monkeypatch.setattr(_common, name, value)
+
+        def check(plan: _common.RowPlan) -> None:
+            assert (plan.splits > 1) == ("MIN_SEGMENT" in settings), plan
+            assert plan.wide == ("INT32_SAFE" in settings), plan
+
+        return check
 
     @pytest.fixture
     def capturing(self, monkeypatch: pytest.MonkeyPatch) -> Callable[[bool], None]:
@@ -479,6 +509,47 @@ class KernelCases:
             device,
         )
 
+    @pytest.mark.parametrize("rows", ROWS, indirect=True)
+    @pytest.mark.parametrize(
+        ("shape", "dim"),
+        [pytest.param((3, 100), 0, id="row-contiguous"), pytest.param((2, 3, 60), 1, id="dim1")],
+    )
+    @pytest.mark.parametrize("dtype", FULL)
+    def test_weight_norm_long_rows_match_reference(
+        self,
+        shape: tuple[int, ...],
+        dim: int,
+        dtype: torch.dtype,
+        device: str,
+        rows: Callable[[_common.RowPlan], None],
+    ) -> None:
+        v = torch.randn(shape)
+        rows(wn_kernels._layout(v, dim).plan)
+        v.select(dim, 1).zero_()  # a zero row, split like the others
+        g = torch.rand(gain_shape(v, dim)) + 0.5
+        check_against(
+            lambda g, v: weight_norm(g, v, dim, 0.0),
+            lambda g, v: wn_reference(g, v, dim, 0.0),
+            [g, v],
+            dtype,
+            device,
+        )
+
+    @pytest.mark.parametrize("rows", ROWS[1:2], indirect=True)
+    @pytest.mark.usefixtures("rows")
+    def test_weight_norm_split_rows_are_deterministic(self, device: str) -> None:
+        v = torch.randn(2, 3, 60).to(device).requires_grad_()
+        g = (torch.rand(1, 3, 1) + 0.5).to(device).requires_grad_()
+        assert wn_kernels._layout(v, 1).plan.splits > 1
+        upstream = torch.randn(2, 3, 60).to(device)
+
+        def run() -> list[Tensor]:
+            out = weight_norm(g, v, 1, 1e-3)
+            return [out, *torch.autograd.grad(out, (g, v), upstream)]
+
+        first, second = run(), run()
+        assert all(torch.equal(a, b) for a, b in zip(first, second, strict=True))
+
     def test_weight_norm_zero_row_with_eps0_stays_zero_with_finite_gradients(
         self, device: str
     ) -> None:
@@ -592,6 +663,46 @@ class KernelCases:
             dtype,
             device,
         )
+
+    @pytest.mark.parametrize("rows", ROWS, indirect=True)
+    @pytest.mark.parametrize("transposed", [False, True], ids=["row-major", "column-major"])
+    @pytest.mark.parametrize("gain", [False, True], ids=["plain", "gain"])
+    def test_standardize_rows_long_rows_match_reference(
+        self,
+        transposed: bool,
+        gain: bool,
+        device: str,
+        rows: Callable[[_common.RowPlan], None],
+    ) -> None:
+        matrix = torch.randn(3, 100, dtype=torch.float64) * 3 + 2
+        rows(ws_kernels._plan(matrix))
+        matrix[1] = 0.25  # a constant row: zero variance
+        matrix[2] = matrix[2] * 1e-3 + 1e3  # a mean large against the spread
+        if transposed:
+            matrix = matrix.t().contiguous().t()
+        inputs = [matrix] + ([torch.randn(3, dtype=torch.float64)] if gain else [])
+        check_against(
+            lambda *t: ws_kernels.standardize_rows(t[0], 1e-5, *t[1:]),
+            lambda *t: ws_reference(*t),
+            inputs,
+            torch.float64,
+            device,
+        )
+
+    @pytest.mark.parametrize("rows", ROWS[1:2], indirect=True)
+    @pytest.mark.usefixtures("rows")
+    def test_standardize_rows_split_rows_are_deterministic(self, device: str) -> None:
+        matrix = torch.randn(3, 100).to(device).requires_grad_()
+        gain = torch.randn(3).to(device).requires_grad_()
+        assert ws_kernels._plan(matrix).splits > 1
+        upstream = torch.randn(3, 100).to(device)
+
+        def run() -> list[Tensor]:
+            out = ws_kernels.standardize_rows(matrix, 1e-5, gain)
+            return [out, *torch.autograd.grad(out, (matrix, gain), upstream)]
+
+        first, second = run(), run()
+        assert all(torch.equal(a, b) for a, b in zip(first, second, strict=True))
 
     def test_standardize_rows_gradcheck(self, device: str) -> None:
         rows = torch.randn(3, 6, dtype=torch.float64).to(device).requires_grad_()

@@ -440,6 +440,11 @@ NO_CUDA_COUNTERPART = {
     "test_kernels_compile_for_sm90": "compiles, launches nothing",
     "test_lars_table_cache_is_safe_across_threads": "launches no kernel",
     "test_lars_reads_each_partial_sum_once": "counts loads through the interpreter's hooks",
+    "test_row_plan_splits_few_long_rows_across_programs": "launches no kernel",
+    "test_row_plan_keeps_rows_whole_when_programs_or_lengths_suffice": "launches no kernel",
+    "test_weight_norm_is_64_bit_for_tensors_past_int32": "launches no kernel",
+    "test_standardization_is_64_bit_for_tensors_past_int32": "launches no kernel",
+    "test_standardization_is_64_bit_where_strides_reach_past_int32": "launches no kernel",
 }
 
 COLLECT = """

@@ -22,7 +22,10 @@ pytest.importorskip("triton", reason="the fused kernels need Triton")
 
 from kernel_cases import KernelCases, run_lars
 from normhooks import _kernels
+from normhooks._kernels import _common
 from normhooks._kernels import lars as lars_kernels
+from normhooks._kernels import weight_norm as wn_kernels
+from normhooks._kernels import weight_standardization as ws_kernels
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 on_interpreter = pytest.mark.skipif(
@@ -89,6 +92,74 @@ def test_lars_reads_each_partial_sum_once(monkeypatch: pytest.MonkeyPatch) -> No
     # keeps its own), each read once.
     expected = start + size * np.arange(2 * (5 + 16))
     assert sorted(inside.tolist()) == expected.tolist()
+
+
+# --------------------------------------------------------------------------------------------
+# Row kernels' plans, decided on the host from shapes alone
+
+
+@pytest.mark.parametrize(
+    ("count", "length"),
+    [(1, 2**24), (8, 2**20), (300, 40_000), (1, 2 * _common.MIN_SEGMENT)],
+    ids=["one-row-16M", "8-rows-1M", "300-rows-40k", "shortest-split"],
+)
+def test_row_plan_splits_few_long_rows_across_programs(count: int, length: int) -> None:
+    plan = _common.row_plan(count, length, count * length)
+    assert plan.splits > 1
+    # Segments tile the row, each a whole number of blocks and long enough to be worth it.
+    assert (plan.splits - 1) * plan.segment < length <= plan.splits * plan.segment
+    assert plan.segment % plan.block == 0
+    assert plan.segment >= _common.MIN_SEGMENT
+    # Enough programs to fill the GPU, unless the row runs out of segments first.
+    wanted = min(_common.MIN_PROGRAMS, count * (length // _common.MIN_SEGMENT))
+    assert count * plan.splits >= wanted
+    assert plan.partials_block >= plan.splits
+    assert plan == _common.row_plan(count, length, count * length)
+
+
+@pytest.mark.parametrize(
+    ("count", "length"),
+    [(4096, 4096), (1, 1000), (_common.MIN_PROGRAMS, 2**20), (64, 2 * _common.MIN_SEGMENT - 1)],
+    ids=["many-rows", "short-row", "rows-enough", "row-too-short"],
+)
+def test_row_plan_keeps_rows_whole_when_programs_or_lengths_suffice(
+    count: int, length: int
+) -> None:
+    plan = _common.row_plan(count, length, count * length)
+    assert (plan.splits, plan.segment, plan.partials_block) == (1, length, 1)
+
+
+WIDE = 2**31
+EXPANDED = [
+    # Each is 2**31 values or 2**31 - 1 (the largest 32-bit offset is 2**31 - 1).
+    pytest.param(lambda: torch.zeros(1, 1).expand(2, 2**30), True, id="2x2**30"),
+    pytest.param(lambda: torch.zeros(1, 1).expand(1, WIDE), True, id="one-row-of-2**31"),
+    pytest.param(lambda: torch.zeros(1, 1).expand(2, 2**29), False, id="2x2**29"),
+]
+
+
+@pytest.mark.parametrize(("make", "wide"), EXPANDED)
+def test_weight_norm_is_64_bit_for_tensors_past_int32(make: Any, wide: bool) -> None:
+    """Expanded tensors: 2**31 values in 4 bytes, so nothing is allocated."""
+    v = make()
+    assert wn_kernels._layout(v, 0).plan.wide == wide
+    assert wn_kernels._layout(v.t(), 1).plan.wide == wide
+
+
+@pytest.mark.parametrize(("make", "wide"), EXPANDED)
+def test_standardization_is_64_bit_for_tensors_past_int32(make: Any, wide: bool) -> None:
+    rows = make()
+    # The result is contiguous: its offsets reach count * length, whatever rows' strides.
+    assert ws_kernels._plan(rows).wide == wide
+    assert ws_kernels._plan(rows.t()).wide == wide
+
+
+def test_standardization_is_64_bit_where_strides_reach_past_int32() -> None:
+    rows = torch.zeros(1, 1).expand(4, 8)
+    assert not ws_kernels._plan(rows).wide
+    # A row stride of 2**30: the last row starts at 3 * 2**30.
+    assert _common.row_plan(4, 8, _common.extent((4, 8), (2**30, 1))).wide
+    assert not _common.row_plan(4, 8, _common.extent((4, 8), (2**28, 1))).wide
 
 
 # --------------------------------------------------------------------------------------------

@@ -1,9 +1,17 @@
-"""What the kernels share: dtypes, exact scalar arguments, IEEE-rounded division and roots.
+"""What the kernels share: dtypes, exact scalar arguments, IEEE-rounded division and roots,
+and how a row kernel's rows are spread over programs.
 
 Loops whose bounds are known only at run time are written as ``while`` loops, not
 ``tl.range``: Triton's interpreter (``TRITON_INTERPRET=1``, which the CPU test suite runs)
 turns a run-time ``tl.range`` bound into a Python int through a 1-element array, which
 NumPy 2.4 refuses; a ``while`` condition only needs its truth value. Both compile alike.
+
+Row kernels (weight normalization, weight standardization) index in 32 bits, the fast case,
+unless a tensor reaches past :data:`INT32_SAFE`: then their ``wide`` variant computes every
+offset in 64 bits. A layer of few long rows would run on few SMs with one program per row,
+so :func:`row_plan` splits such rows into segments, one program each: a first launch writes
+each segment's partial sums, the second adds a row's partial sums in a fixed order
+(deterministic, no float atomics) and writes the segment.
 """
 
 # Triton ships without type information: its modules and @triton.jit are untyped to mypy.
@@ -12,8 +20,10 @@ NumPy 2.4 refuses; a ``while`` condition only needs its truth value. Both compil
 from __future__ import annotations
 
 import contextlib
+import functools
 import struct
 from collections.abc import Iterator
+from typing import NamedTuple
 
 import torch
 import triton
@@ -55,6 +65,69 @@ def bits(value: float) -> int:
     return pattern
 
 
+# Values a row kernel reads per loop step, at most.
+MAX_BLOCK = 1024
+# A row is split only while its layer has fewer rows than this (programs enough to fill an
+# H100/H200 a few times over), and only into segments of at least this many values.
+MIN_PROGRAMS = 512
+MIN_SEGMENT = 16 * 1024
+# 32-bit offsets are exact up to here: every element's offset, and a loop counter that runs a
+# block of masked lanes past a row's end, stay below 2**31.
+INT32_SAFE = 2**31 - 1 - 2 * MAX_BLOCK
+
+
+class RowPlan(NamedTuple):
+    """How a row kernel covers ``count`` rows of ``length`` values."""
+
+    block: int
+    """Values per loop step: a power of two, at least 16."""
+    splits: int
+    """Programs per row, each over one segment."""
+    segment: int
+    """Values per segment: a multiple of ``block``, or ``length`` when ``splits == 1``."""
+    partials_block: int
+    """``splits`` rounded up to a power of two: one load reads a row's partial sums."""
+    wide: bool
+    """Whether offsets need 64 bits."""
+
+
+def row_plan(count: int, length: int, extent: int) -> RowPlan:
+    """The plan for ``count`` rows of ``length`` values whose tensors reach ``extent`` slots
+    (one past the largest offset). A function of the shape only, so a layer gets the same
+    programs, and the same sums, on every GPU."""
+    return _row_plan(count, length, extent, MAX_BLOCK, MIN_PROGRAMS, MIN_SEGMENT, INT32_SAFE)
+
+
+@functools.lru_cache(maxsize=4096)
+def _row_plan(
+    count: int,
+    length: int,
+    extent: int,
+    max_block: int,
+    min_programs: int,
+    min_segment: int,
+    int32_safe: int,
+) -> RowPlan:
+    block = min(max_block, max(16, int(triton.next_power_of_2(max(length, 1)))))
+    splits, segment = 1, length
+    if count < min_programs and length >= 2 * min_segment:
+        wanted = min(-(-length // min_segment), -(-min_programs // max(count, 1)))
+        segment = -(-length // wanted)
+        segment = -(-segment // block) * block
+        splits = -(-length // segment)
+        if splits == 1:
+            segment = length
+    partials_block = int(triton.next_power_of_2(splits))
+    return RowPlan(block, splits, segment, partials_block, max(extent, length) > int32_safe)
+
+
+def extent(shape: tuple[int, ...], strides: tuple[int, ...]) -> int:
+    """One past the largest offset of a tensor of ``shape`` and ``strides`` (0 when empty)."""
+    if 0 in shape:
+        return 0
+    return 1 + sum((size - 1) * stride for size, stride in zip(shape, strides, strict=True))
+
+
 @contextlib.contextmanager
 def on_device(device: torch.device) -> Iterator[None]:
     """Launches on ``device``: Triton launches on the current CUDA device."""
@@ -91,3 +164,24 @@ def sqrt(x, acc: tl.constexpr):  # type: ignore[no-untyped-def]
 def is_finite(x):  # type: ignore[no-untyped-def]
     # NaN fails both comparisons; +-inf fails the second.
     return (x == x) & (tl.abs(x) != float("inf"))
+
+
+@triton.jit
+def segment_bounds(length, segment, wide: tl.constexpr):  # type: ignore[no-untyped-def]
+    """``[start, end)`` of this program's segment of its row (``tl.program_id(1)``)."""
+    if wide:
+        start = tl.program_id(1).to(tl.int64) * segment
+        end = tl.minimum(start + segment, length)
+    else:
+        start = tl.program_id(1) * segment
+        # min(start + segment, length) without forming start + segment, which can pass 2**31.
+        end = tl.minimum(start, length - segment) + segment
+    return start, end
+
+
+@triton.jit
+def row_partials(partials, row, splits, block: tl.constexpr):  # type: ignore[no-untyped-def]
+    """The sum of a row's ``splits`` partial sums, added in the same order by every program."""
+    index = tl.arange(0, block)
+    values = tl.load(partials + row * splits + index, mask=index < splits, other=0.0)
+    return tl.sum(values, axis=0)

@@ -1,4 +1,5 @@
-r"""Exact weight normalization in one forward and one backward kernel per layer.
+r"""Exact weight normalization in one forward and one backward kernel per layer (two each way
+for a layer of few long rows).
 
 :math:`W = g\,v / d` with :math:`d = \|v\| + \epsilon` per index of ``dim`` (with
 ``eps == 0``, :math:`d = 1` for a zero row, which stays zero). With :math:`s = g / d` and
@@ -6,7 +7,10 @@ r"""Exact weight normalization in one forward and one backward kernel per layer.
 :math:`\nabla g = p / d` and :math:`\nabla v = s W' - \frac{s p}{d \|v\|} v` (the second term
 vanishes at a zero row, whatever :math:`\|v\|` is taken to be there).
 
-``v`` is viewed as ``[A, C, B]`` with ``C = v.shape[dim]``: one program per index of ``C``.
+``v`` is viewed as ``[A, C, B]`` with ``C = v.shape[dim]``: one program per index of ``C``,
+or, for few long rows, one per segment of a row (see ``_common.row_plan``): then a first
+launch each way writes the segments' sums of squares (of :math:`W' v`) and the second adds a
+row's partial sums in a fixed order.
 """
 
 # Triton ships without type information: its modules and @triton.jit are untyped to mypy.
@@ -15,25 +19,40 @@ vanishes at a zero row, whatever :math:`\|v\|` is taken to be there).
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
-from normhooks._kernels._common import acc_dtype, as_float, bits, div, on_device, sqrt, tl_dtype
+from normhooks._kernels._common import (
+    RowPlan,
+    acc_dtype,
+    as_float,
+    bits,
+    div,
+    on_device,
+    row_partials,
+    row_plan,
+    segment_bounds,
+    sqrt,
+    tl_dtype,
+)
 from normhooks._precision import compute_dtype
 from normhooks.weight_norm import _weight_norm as plain_weight_norm
 
-_MAX_BLOCK = 1024
-
 
 @triton.jit
-def _offsets(row, k, count, inner, row_is_contiguous: tl.constexpr):  # type: ignore[no-untyped-def]
+def _offsets(  # type: ignore[no-untyped-def]
+    row, k, count, inner, row_is_contiguous: tl.constexpr, wide: tl.constexpr
+):
     """Addresses of the row's values number ``k`` in ``[A, count, inner]``."""
     if row_is_contiguous:
         return row * inner + k
+    elif wide:
+        # count * inner would be a 32-bit product of two 32-bit arguments.
+        return (k // inner) * count * inner + row * inner + k % inner
     else:
         return (k // inner) * (count * inner) + row * inner + k % inner
 
@@ -45,41 +64,142 @@ def _denominator(norm, eps, acc: tl.constexpr):  # type: ignore[no-untyped-def]
     return tl.where(denominator > 0.0, denominator, 1.0).to(acc)
 
 
+@triton.jit
+def _sum_of_squares(  # type: ignore[no-untyped-def]
+    v,
+    row,
+    start,
+    end,
+    count,
+    inner,
+    acc: tl.constexpr,
+    block: tl.constexpr,
+    row_is_contiguous: tl.constexpr,
+    wide: tl.constexpr,
+):
+    squares = tl.zeros([block], dtype=acc)
+    first = start
+    while first < end:
+        k = first + tl.arange(0, block)
+        mask = k < end
+        offsets = _offsets(row, k, count, inner, row_is_contiguous, wide)
+        values = tl.load(v + offsets, mask=mask, other=0.0).to(acc)
+        squares += values * values
+        first += block
+    return tl.sum(squares, axis=0)
+
+
+@triton.jit
+def _sum_of_products(  # type: ignore[no-untyped-def]
+    grad_w,
+    v,
+    row,
+    start,
+    end,
+    count,
+    inner,
+    acc: tl.constexpr,
+    block: tl.constexpr,
+    row_is_contiguous: tl.constexpr,
+    wide: tl.constexpr,
+):
+    products = tl.zeros([block], dtype=acc)
+    first = start
+    while first < end:
+        k = first + tl.arange(0, block)
+        mask = k < end
+        offsets = _offsets(row, k, count, inner, row_is_contiguous, wide)
+        values = tl.load(v + offsets, mask=mask, other=0.0).to(acc)
+        incoming = tl.load(grad_w + offsets, mask=mask, other=0.0).to(acc)
+        products += incoming * values
+        first += block
+    return tl.sum(products, axis=0)
+
+
+@triton.jit
+def _squares(  # type: ignore[no-untyped-def]
+    v,
+    partials,
+    length,
+    count,
+    inner,
+    segment,
+    splits,
+    acc: tl.constexpr,
+    block: tl.constexpr,
+    row_is_contiguous: tl.constexpr,
+    wide: tl.constexpr,
+):
+    """A split row's first launch: each segment's sum of squares."""
+    row = tl.program_id(0).to(tl.int64)
+    start, end = segment_bounds(length, segment, wide)
+    squares = _sum_of_squares(v, row, start, end, count, inner, acc, block, row_is_contiguous, wide)
+    tl.store(partials + row * splits + tl.program_id(1), squares)
+
+
 @triton.jit(do_not_specialize=["eps"])
 def _forward(  # type: ignore[no-untyped-def]
     v,
     g,
     w,
     norms,
+    partials,
     length,
     count,
     inner,
+    segment,
+    splits,
     eps,
     acc: tl.constexpr,
     block: tl.constexpr,
     row_is_contiguous: tl.constexpr,
+    split: tl.constexpr,
+    partials_block: tl.constexpr,
+    wide: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
-    squares = tl.zeros([block], dtype=acc)
-    first = 0
-    while first < length:
-        k = first + tl.arange(0, block)
-        mask = k < length
-        offsets = _offsets(row, k, count, inner, row_is_contiguous)
-        values = tl.load(v + offsets, mask=mask, other=0.0).to(acc)
-        squares += values * values
-        first += block
-    norm = sqrt(tl.sum(squares, axis=0), acc)
+    start, end = segment_bounds(length, segment, wide)
+    if split:
+        squares = row_partials(partials, row, splits, partials_block)
+    else:
+        squares = _sum_of_squares(
+            v, row, start, end, count, inner, acc, block, row_is_contiguous, wide
+        )
+    norm = sqrt(squares, acc)
     scale = div(tl.load(g + row).to(acc), _denominator(norm, eps, acc), acc)
-    first = 0
-    while first < length:
+    first = start
+    while first < end:
         k = first + tl.arange(0, block)
-        mask = k < length
-        offsets = _offsets(row, k, count, inner, row_is_contiguous)
+        mask = k < end
+        offsets = _offsets(row, k, count, inner, row_is_contiguous, wide)
         values = tl.load(v + offsets, mask=mask, other=0.0).to(acc)
         tl.store(w + offsets, (values * scale).to(w.dtype.element_ty), mask=mask)
         first += block
-    tl.store(norms + row, norm)
+    tl.store(norms + row, norm, mask=tl.program_id(1) == 0)
+
+
+@triton.jit
+def _products(  # type: ignore[no-untyped-def]
+    grad_w,
+    v,
+    partials,
+    length,
+    count,
+    inner,
+    segment,
+    splits,
+    acc: tl.constexpr,
+    block: tl.constexpr,
+    row_is_contiguous: tl.constexpr,
+    wide: tl.constexpr,
+):
+    """A split row's first launch backward: each segment's sum of ``W' v``."""
+    row = tl.program_id(0).to(tl.int64)
+    start, end = segment_bounds(length, segment, wide)
+    dot = _sum_of_products(
+        grad_w, v, row, start, end, count, inner, acc, block, row_is_contiguous, wide
+    )
+    tl.store(partials + row * splits + tl.program_id(1), dot)
 
 
 @triton.jit(do_not_specialize=["eps"])
@@ -88,39 +208,42 @@ def _backward(  # type: ignore[no-untyped-def]
     v,
     g,
     norms,
+    partials,
     grad_v,
     grad_g,
     length,
     count,
     inner,
+    segment,
+    splits,
     eps,
     acc: tl.constexpr,
     block: tl.constexpr,
     row_is_contiguous: tl.constexpr,
+    split: tl.constexpr,
+    partials_block: tl.constexpr,
+    wide: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
-    products = tl.zeros([block], dtype=acc)
-    first = 0
-    while first < length:
-        k = first + tl.arange(0, block)
-        mask = k < length
-        offsets = _offsets(row, k, count, inner, row_is_contiguous)
-        values = tl.load(v + offsets, mask=mask, other=0.0).to(acc)
-        incoming = tl.load(grad_w + offsets, mask=mask, other=0.0).to(acc)
-        products += incoming * values
-        first += block
-    dot = tl.sum(products, axis=0)
+    start, end = segment_bounds(length, segment, wide)
+    if split:
+        dot = row_partials(partials, row, splits, partials_block)
+    else:
+        dot = _sum_of_products(
+            grad_w, v, row, start, end, count, inner, acc, block, row_is_contiguous, wide
+        )
     norm = tl.load(norms + row)
     denominator = _denominator(norm, eps, acc)
     safe_norm = tl.where(norm > 0.0, norm, 1.0).to(acc)
     scale = div(tl.load(g + row).to(acc), denominator, acc)
     coefficient = -div(scale * dot, denominator * safe_norm, acc)
-    tl.store(grad_g + row, div(dot, denominator, acc).to(grad_g.dtype.element_ty))
-    first = 0
-    while first < length:
+    grad = div(dot, denominator, acc).to(grad_g.dtype.element_ty)
+    tl.store(grad_g + row, grad, mask=tl.program_id(1) == 0)
+    first = start
+    while first < end:
         k = first + tl.arange(0, block)
-        mask = k < length
-        offsets = _offsets(row, k, count, inner, row_is_contiguous)
+        mask = k < end
+        offsets = _offsets(row, k, count, inner, row_is_contiguous, wide)
         values = tl.load(v + offsets, mask=mask, other=0.0).to(acc)
         incoming = tl.load(grad_w + offsets, mask=mask, other=0.0).to(acc)
         result = incoming * scale + values * coefficient
@@ -128,13 +251,29 @@ def _backward(  # type: ignore[no-untyped-def]
         first += block
 
 
-def _layout(v: Tensor, dim: int) -> tuple[int, int, int, int, bool]:
-    """``(row length, C, B, block, row contiguous)`` of contiguous ``v`` viewed as ``[A, C, B]``."""
+class _Layout(NamedTuple):
+    """Contiguous ``v`` viewed as ``[A, C, B]``, and how programs cover its ``C`` rows."""
+
+    length: int
+    rows: int
+    inner: int
+    row_is_contiguous: bool
+    plan: RowPlan
+
+
+def _layout(v: Tensor, dim: int) -> _Layout:
     count = v.shape[dim]
     inner = math.prod(v.shape[dim + 1 :])
-    length = v.numel() // count if count else 0
-    block = min(_MAX_BLOCK, max(16, int(triton.next_power_of_2(max(length, 1)))))
-    return length, count, inner, block, length == inner
+    numel = v.numel()
+    length = numel // count if count else 0
+    return _Layout(length, count, inner, length == inner, row_plan(count, length, numel))
+
+
+def _partials(count: int, plan: RowPlan, norms: Tensor) -> Tensor:
+    """The partial sums of split rows; ``norms`` stands in (unread) when rows are whole."""
+    if plan.splits == 1:
+        return norms
+    return torch.empty((count, plan.splits), dtype=norms.dtype, device=norms.device)
 
 
 class _WeightNorm(torch.autograd.Function):
@@ -144,21 +283,28 @@ class _WeightNorm(torch.autograd.Function):
         contiguous = v.contiguous()
         weight = torch.empty_like(contiguous)
         norms = torch.empty(v.shape[dim], dtype=compute_dtype(v.dtype), device=v.device)
-        length, count, inner, block, row_contiguous = _layout(contiguous, dim)
+        length, count, inner, row_contiguous, plan = _layout(v, dim)
         if count:
+            split = plan.splits > 1
+            partials = _partials(count, plan, norms)
+            sizes = (length, count, inner, plan.segment, plan.splits)
+            shared = {"acc": acc_dtype(v.dtype), "block": plan.block, "wide": plan.wide}
+            shared["row_is_contiguous"] = row_contiguous
+            grid = (count, plan.splits)
             with on_device(v.device):
-                _forward[(count,)](
+                if split:
+                    _squares[grid](contiguous, partials, *sizes, **shared)
+                _forward[grid](
                     contiguous,
                     g.contiguous(),
                     weight,
                     norms,
-                    length,
-                    count,
-                    inner,
+                    partials,
+                    *sizes,
                     bits(eps),
-                    acc=acc_dtype(v.dtype),
-                    block=block,
-                    row_is_contiguous=row_contiguous,
+                    **shared,
+                    split=split,
+                    partials_block=plan.partials_block,
                 )
         ctx.save_for_backward(g, v, norms)
         return weight
@@ -180,23 +326,31 @@ class _WeightNorm(torch.autograd.Function):
         contiguous = v.contiguous()
         grad_v = torch.empty_like(contiguous)
         grad_g = torch.empty(g.shape, dtype=g.dtype, device=g.device)
-        length, count, inner, block, row_contiguous = _layout(contiguous, dim)
+        length, count, inner, row_contiguous, plan = _layout(v, dim)
         if count:
+            split = plan.splits > 1
+            partials = _partials(count, plan, norms)
+            incoming = grad_w.contiguous()
+            sizes = (length, count, inner, plan.segment, plan.splits)
+            shared = {"acc": acc_dtype(v.dtype), "block": plan.block, "wide": plan.wide}
+            shared["row_is_contiguous"] = row_contiguous
+            grid = (count, plan.splits)
             with on_device(v.device):
-                _backward[(count,)](
-                    grad_w.contiguous(),
+                if split:
+                    _products[grid](incoming, contiguous, partials, *sizes, **shared)
+                _backward[grid](
+                    incoming,
                     contiguous,
                     g.contiguous(),
                     norms,
+                    partials,
                     grad_v,
                     grad_g,
-                    length,
-                    count,
-                    inner,
+                    *sizes,
                     bits(eps),
-                    acc=acc_dtype(v.dtype),
-                    block=block,
-                    row_is_contiguous=row_contiguous,
+                    **shared,
+                    split=split,
+                    partials_block=plan.partials_block,
                 )
         needs_g, needs_v = ctx.needs_input_grad[:2]
         return grad_g if needs_g else None, grad_v if needs_v else None, None, None
