@@ -32,6 +32,10 @@ from normhooks import (
 
 NEEDS_CUDA = "needs a CUDA device"
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason=NEEDS_CUDA)
+needs_memory = pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_properties(0).total_memory < 2**35,
+    reason="needs a CUDA device with 32 GiB",
+)
 
 
 def cnn() -> nn.Module:
@@ -210,6 +214,8 @@ if importlib.util.find_spec("triton") is not None:
         ws_reference,
     )
     from normhooks._kernels import lars as lars_kernels
+    from normhooks._kernels import weight_norm as wn_kernels
+    from normhooks._kernels import weight_standardization as ws_kernels
     from normhooks._kernels.lars import lars_unit_
     from normhooks._kernels.weight_norm import weight_norm as fused_weight_norm
     from normhooks._kernels.weight_standardization import standardize_rows
@@ -342,7 +348,7 @@ if importlib.util.find_spec("triton") is not None:
                 for grad, source in zip(grads, sources, strict=True):
                     grad.copy_(source)
                 rates = lars_unit_(params, grads, **self.clip_settings(lr))
-            # Unclipped, clipped in part, clipped: each replay reads the lr of its time.
+            # Each replay reads the lr of its time: rates near 1e-3 and 0.1, then all clipped.
             for value in (1.0, 1e-2, 1e-4):
                 lr.fill_(value)
                 graph.replay()
@@ -360,12 +366,13 @@ if importlib.util.find_spec("triton") is not None:
             params = [torch.randn(100, device="cuda")]
             grads = [torch.randn(100, device="cuda")]
             before = grads[0].clone()
+            settings = self.clip_settings(torch.tensor(0.1, device="cuda"))
             graph = torch.cuda.CUDAGraph()
             with (
                 pytest.raises(RuntimeError, match="before capturing"),
                 torch.cuda.graph(graph),
             ):
-                lars_unit_(params, grads, **self.clip_settings(torch.tensor(0.1, device="cuda")))
+                lars_unit_(params, grads, **settings)
             assert torch.equal(grads[0], before)
 
         def test_lars_kernel_refuses_a_float_lr_to_clip_by_inside_a_capture(self) -> None:
@@ -426,6 +433,131 @@ if importlib.util.find_spec("triton") is not None:
             torch.testing.assert_close(out.cpu(), want.to(dtype))
             for got, expected in zip(grads, wanted, strict=True):
                 torch.testing.assert_close(got.cpu(), expected.to(dtype))
+
+        @pytest.mark.parametrize(
+            ("dtype", "tolerance"),
+            [(torch.float32, 1e-5), (torch.float64, 1e-12)],
+            ids=["float32", "float64"],
+        )
+        @pytest.mark.parametrize(
+            ("shape", "dim"), [((2, 2**20), 0), ((3, 4, 2**16), 1)], ids=["rows", "dim1"]
+        )
+        def test_weight_norm_kernel_splits_long_rows(
+            self, shape: tuple[int, ...], dim: int, dtype: torch.dtype, tolerance: float
+        ) -> None:
+            v = torch.randn(shape, dtype=dtype).double()
+            assert wn_kernels._layout(v, dim).plan.splits > 1
+            g = (torch.rand(gain_shape(v, dim), dtype=dtype) + 0.5).double()
+            upstream = torch.randn(shape, dtype=dtype).double()
+            exact = [t.clone().requires_grad_() for t in (g, v)]
+            want = wn_reference(*exact, dim, 1e-3)
+            wanted = torch.autograd.grad(want, exact, upstream)
+            ours = [t.to("cuda", dtype).requires_grad_() for t in (g, v)]
+            out = fused_weight_norm(*ours, dim, 1e-3)
+            grads = torch.autograd.grad(out, ours, upstream.to("cuda", dtype))
+            close = {"rtol": tolerance, "atol": tolerance}
+            torch.testing.assert_close(out.cpu(), want.to(dtype), **close)
+            for got, expected in zip(grads, wanted, strict=True):
+                torch.testing.assert_close(got.cpu(), expected.to(dtype), **close)
+
+        @pytest.mark.parametrize(
+            ("dtype", "tolerance"),
+            [(torch.float32, 1e-5), (torch.float64, 1e-12)],
+            ids=["float32", "float64"],
+        )
+        @pytest.mark.parametrize("transposed", [False, True], ids=["contiguous", "transposed"])
+        def test_standardize_rows_kernel_splits_long_rows(
+            self, transposed: bool, dtype: torch.dtype, tolerance: float
+        ) -> None:
+            rows = torch.randn(4, 2**18, dtype=torch.float64) * 3 + 1
+            rows[3] = rows[3] * 0.03 + 10  # a mean large against the spread
+            # Values of the kernel's dtype, so the reference starts from the same numbers.
+            rows = rows.to(dtype).double()
+            gain = torch.randn(4, dtype=dtype).double()
+            upstream = torch.randn(4, 2**18, dtype=dtype).double()
+            exact = [rows.clone().requires_grad_(), gain.clone().requires_grad_()]
+            want = ws_reference(*exact)
+            wanted = torch.autograd.grad(want, exact, upstream)
+            on_gpu = rows.to("cuda", dtype)
+            if transposed:
+                on_gpu = on_gpu.t().contiguous().t()
+            assert ws_kernels._plan(on_gpu).splits > 1
+            ours = [on_gpu.requires_grad_(), gain.to("cuda", dtype).requires_grad_()]
+            out = standardize_rows(ours[0], 1e-5, ours[1])
+            grads = torch.autograd.grad(out, ours, upstream.to("cuda", dtype))
+            close = {"rtol": tolerance, "atol": tolerance}
+            torch.testing.assert_close(out.cpu(), want.to(dtype), **close)
+            for got, expected in zip(grads, wanted, strict=True):
+                torch.testing.assert_close(got.cpu(), expected.to(dtype), **close)
+
+        # Tensors of 2**31 values, where 32-bit offsets wrap: float16, up to 17 GB each.
+
+        @needs_memory
+        def test_weight_norm_kernel_past_2_31_values(self) -> None:
+            v = torch.randn(2, 2**30, device="cuda", dtype=torch.float16)
+            plan = wn_kernels._layout(v, 0).plan
+            assert plan.wide
+            assert plan.splits > 1
+            g = torch.tensor([[1024.0], [4096.0]], device="cuda", dtype=torch.float16)
+            upstream = torch.randn_like(v)
+            g.requires_grad_()
+            v.requires_grad_()
+            out = fused_weight_norm(g, v, 0, 0.0)
+            grad_g, grad_v = torch.autograd.grad(out, (g, v), upstream)
+            v = v.detach()
+            norms = row_sums(lambda x: x * x, v).sqrt()
+            dots = row_sums(lambda x, u: x * u, v, upstream)
+            # The last values: in 32 bits their offsets pass 2**31.
+            tail = slice(2**30 - 4096, None)
+            w, incoming = v[:, tail].float(), upstream[:, tail].float()
+            scale = g.detach().float() / norms[:, None]
+            want_v = scale * incoming - (scale * dots[:, None] / norms[:, None] ** 2) * w
+            torch.testing.assert_close(out[:, tail], (scale * w).half())
+            torch.testing.assert_close(grad_v[:, tail], want_v.half())
+            torch.testing.assert_close(grad_g, (dots / norms)[:, None].half())
+
+        @needs_memory
+        def test_standardize_rows_kernel_past_2_31_values(self) -> None:
+            rows = torch.randn(2, 2**30, device="cuda", dtype=torch.float16)
+            assert ws_kernels._plan(rows).wide
+            upstream = torch.randn_like(rows)
+            rows.requires_grad_()
+            out = standardize_rows(rows, 1e-5)
+            (grad,) = torch.autograd.grad(out, rows, upstream)
+            rows = rows.detach()
+            means = row_sums(lambda x: x, rows) / 2**30
+            rstds = (row_sums(lambda x: (x - means[:, None]) ** 2, rows) / 2**30 + 1e-5).rsqrt()
+
+            def normalized(x: Tensor) -> Tensor:
+                return (x - means[:, None]) * rstds[:, None]
+
+            incoming_mean = row_sums(lambda u: u, upstream) / 2**30
+            product_mean = row_sums(lambda x, u: normalized(x) * u, rows, upstream) / 2**30
+            tail = slice(2**30 - 4096, None)
+            x, incoming = normalized(rows[:, tail].float()), upstream[:, tail].float()
+            want = rstds[:, None] * (incoming - incoming_mean[:, None] - x * product_mean[:, None])
+            torch.testing.assert_close(out[:, tail], x.half())
+            torch.testing.assert_close(grad[:, tail], want.half())
+
+        @needs_memory
+        def test_lars_kernel_past_2_31_values(self) -> None:
+            params = [torch.randn(2**31, device="cuda", dtype=torch.float16)]
+            grads = [torch.randn(2**31, device="cuda", dtype=torch.float16)]
+            tail = grads[0][-4096:].float()
+            w_norm = row_sums(lambda w: w * w, params[0].view(1, -1)).sqrt()
+            g_norm = row_sums(lambda g: g * g, grads[0].view(1, -1)).sqrt()
+            settings = self.clip_settings(None) | {"weight_decay": 0.0, "clip": False}
+            rates = lars_unit_(params, grads, **settings)
+            want = w_norm / (g_norm + 1e-9) * 1e-3
+            torch.testing.assert_close(rates, want, rtol=1e-5, atol=0)
+            torch.testing.assert_close(grads[0][-4096:], (want * tail).half())
+
+
+def row_sums(fn: Callable[..., Tensor], *tensors: Tensor) -> Tensor:
+    """Sums over each row of ``fn`` of float32 copies of ``tensors`` (2-D, one shape), a block
+    of columns at a time, so that no float32 copy of a whole tensor is made."""
+    blocks = zip(*(t.split(2**26, dim=1) for t in tensors), strict=True)
+    return torch.stack([fn(*(b.float() for b in block)).sum(1) for block in blocks]).sum(0)
 
 
 # --------------------------------------------------------------------------------------------
