@@ -376,7 +376,8 @@ def _check(g: Tensor, v: Tensor, dim: int, eps: float) -> None:
 
 
 def weight_norm(g: Tensor, v: Tensor, dim: int, eps: float) -> Tensor:
-    r"""``g * v / (||v|| + eps)``, norms over every axis but ``dim``, in one kernel each way.
+    r"""``g * v / (||v|| + eps)``, norms over every axis but ``dim``, in one kernel each way
+    (two for a layer of few long rows).
 
     With ``eps == 0`` a zero row of ``v`` divides by 1 and gives a zero row (finite
     gradients). float16/bfloat16 are computed in float32 and rounded once. Differentiable in

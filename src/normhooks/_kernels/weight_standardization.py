@@ -406,8 +406,9 @@ class _Standardize(torch.autograd.Function):
 def standardize_rows(rows: Tensor, eps: float, gain: Tensor | None = None) -> Tensor:
     r"""``(x - mean) / sqrt(var + eps)`` per row (biased variance), times ``gain`` per row.
 
-    One kernel forward and one backward; float16/bfloat16 are computed in float32 and
-    rounded once; any strides. A double backward goes through autograd of the plain formula.
+    One kernel forward and one backward (two each for few long rows); float16/bfloat16 are
+    computed in float32 and rounded once; any strides. A double backward goes through
+    autograd of the plain formula.
 
     Args:
         rows: the ``[R, N]`` matrix of weight slices.
