@@ -2,8 +2,9 @@
 
 ``_kernels.route_cpu_tensors()`` sends plain CPU tensors to the kernels; ``benchmarks/_proxy.py``
 adds a Triton driver that compiles for sm_90 and launches nothing; ``benchmarks/host.py``
-times normhooks' CUDA path with both. The switch is tested here in the suite's process; the
-proxy in child processes, since Triton decides at import whether a kernel is interpreted and
+times normhooks' CUDA path with both, and ``benchmarks/gpu.py --smoke`` runs the GPU suite's
+code on the CPU through them. The switch is tested here in the suite's process; the proxy in
+child processes, since Triton decides at import whether a kernel is interpreted and
 conftest turns the interpreter on without a GPU.
 """
 
@@ -225,14 +226,23 @@ def test_the_proxy_refuses_interpreted_kernels() -> None:
     assert "imported with TRITON_INTERPRET=1" in result.stderr
 
 
-def test_the_host_benchmark_runs() -> None:
+def test_the_gpu_benchmark_and_the_host_proxy_run_on_the_cpu() -> None:
+    """``gpu.py --smoke``: every section of the GPU suite on tiny CPU models, the kernels under
+    the proxy, ``host.py --smoke`` as its section 4, the compiled one with dynamo alone."""
     result = subprocess.run(
-        [sys.executable, str(BENCHMARKS / "host.py"), "--smoke"],
+        [sys.executable, str(BENCHMARKS / "gpu.py"), "--smoke"],
         env=child_env(),
         capture_output=True,
         text=True,
         check=False,
         timeout=600,
     )
-    assert result.returncode == 0, result.stderr
-    assert "normhooks weight_norm (kernel path)" in result.stdout
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr
+    rows = (
+        "normhooks kernel (exact, eps)",  # 1. kernels alone
+        "+ LARS kernel called directly",  # 2. gradient hooks
+        "multiply-by-1 parametrization (floor)",  # 3. eager models
+        "normhooks weight_norm (kernel path)",  # 4. host.py
+        "compiled normhooks weight standardization",  # 5. torch.compile
+    )
+    assert [row for row in rows if row not in result.stdout] == []
