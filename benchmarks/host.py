@@ -210,11 +210,12 @@ def report(title: str, candidates: dict[str, Candidate], timing: Rounds, unit: s
         ratios = sorted(v / b for v, b in zip(own, base, strict=True))
         spread = f"{ratios[len(ratios) // 4]:.2f}-{ratios[(3 * len(ratios)) // 4]:.2f}"
         added = statistics.median(v - b for v, b in zip(own, base, strict=True))
+        added_text = "-" if name == candidate.baseline else f"{added * 1e6:.0f} us"
         per_unit = f"{added / candidate.units * 1e6:.1f} us" if candidate.units else "-"
         c = counts[name]
         print(
             f"  {name:<{width}}  {statistics.median(own) * 1e3:7.3f} ms"
-            f"  {statistics.median(ratios):5.2f}x  {spread:>11}  {added * 1e6:6.0f} us"
+            f"  {statistics.median(ratios):5.2f}x  {spread:>11}  {added_text:>9}"
             f"  {per_unit:>10}  {candidate.units or '-':>7}  {c.ops:>5}  {c.allocations:>6}"
             f"  {c.views:>5}  {c.launches:>8}  {c.nodes or '-':>5}"
             f"  {c.python_nodes if c.nodes else '-':>6}"
