@@ -21,7 +21,8 @@ ALLOCATIONS = frozenset({"empty", "empty_like", "empty_strided", "new_empty", "n
 class AtenOps(TorchDispatchMode):
     """Counts the aten ops that reach the backends (after autograd and the decomposition of
     composite ops) in three kinds: allocations, views, and the others (``ops``: those that
-    compute, on a GPU about one kernel launch each); ``by_name`` counts every op by overload."""
+    compute, on a GPU about one kernel launch each); ``by_name`` counts every op by overload,
+    other namespaces' too."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -38,12 +39,14 @@ class AtenOps(TorchDispatchMode):
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
         self.by_name[str(func)] += 1
-        if func._overloadpacket.__name__ in ALLOCATIONS:
-            self.allocations += 1
-        elif func.is_view:
-            self.views += 1
-        else:
-            self.ops += 1
+        # Other namespaces are the optimizers' record_function markers (profiler.*): no work.
+        if func.namespace == "aten":
+            if func._overloadpacket.__name__ in ALLOCATIONS:
+                self.allocations += 1
+            elif func.is_view:
+                self.views += 1
+            else:
+                self.ops += 1
         return func(*args, **(kwargs or {}))
 
 
