@@ -164,22 +164,16 @@ def hook_candidates(shapes: Sequence[Sequence[int]]) -> dict[str, Candidate]:
             hook(optimizer)
         return optimizer.step
 
-    steps = {
-        "SGD(foreach) alone": (sgd(None), "SGD(foreach) alone"),
-        "SGD(foreach) alone, again (noise)": (sgd(None), "SGD(foreach) alone"),
-        "+ GradientLARS (kernel path)": (sgd(GradientLARS().attach), "SGD(foreach) alone"),
-        "+ AdaptiveGradientClipping": (
-            sgd(AdaptiveGradientClipping().attach),
-            "SGD(foreach) alone",
-        ),
-        "AdamW(foreach) alone": (adamw(None), "AdamW(foreach) alone"),
-        "+ TrustRatio": (adamw(TrustRatio().attach), "AdamW(foreach) alone"),
+    sgd_alone, adamw_alone, tensors = "SGD(foreach) alone", "AdamW(foreach) alone", len(shapes)
+    rows = {
+        sgd_alone: (sgd(None), sgd_alone, 0),
+        "SGD(foreach) alone, again (noise)": (sgd(None), sgd_alone, 0),
+        "+ GradientLARS (kernel path)": (sgd(GradientLARS().attach), sgd_alone, tensors),
+        "+ AdaptiveGradientClipping": (sgd(AdaptiveGradientClipping().attach), sgd_alone, tensors),
+        adamw_alone: (adamw(None), adamw_alone, 0),
+        "+ TrustRatio": (adamw(TrustRatio().attach), adamw_alone, tensors),
     }
-    candidates = {}
-    for name, (step, baseline) in steps.items():
-        units = 0 if baseline == name or "noise" in name else len(shapes)
-        candidates[name] = Candidate(step, step, baseline, units)
-    return candidates
+    return {name: Candidate(step, step, base, units) for name, (step, base, units) in rows.items()}
 
 
 def report(title: str, candidates: dict[str, Candidate], timing: Rounds, unit: str) -> None:
@@ -273,7 +267,10 @@ def measure(args: argparse.Namespace, timing: Rounds) -> None:
     print(
         f"Host time per step: normhooks' CUDA path on CPU tensors (Triton {triton.__version__}, "
         f"sm_90, no-op launches), torch {torch.__version__}, {time.strftime('%Y-%m-%d')}; "
-        f"medians of {timing.rounds} interleaved rounds, the thread's CPU time"
+        f"medians of {timing.rounds} interleaved rounds, the thread's CPU time\n"
+        "Counts per step (models: the forward and backward; hooks: the optimizer step): aten ops "
+        "that compute, allocate, make views; Triton launches; autograd nodes, and those "
+        "that run Python in backward. Ratio and added time: each round against its baseline."
     )
     with _proxy.cuda_path_on_cpu():
         if args.only in (None, "models"):
