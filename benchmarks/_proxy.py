@@ -29,6 +29,7 @@ import functools
 import os
 from collections import Counter
 from collections.abc import Iterator
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -36,7 +37,6 @@ from triton.backends.compiler import GPUTarget
 from triton.backends.driver import DriverBase
 from triton.backends.nvidia.driver import ty_to_cpp
 from triton.runtime import driver as triton_driver
-from triton.runtime.jit import JITFunction
 
 # Not a CUDA device index: each JITFunction keeps its compiled kernels per device, and this
 # key keeps the proxy's (whose launcher launches nothing) apart from a real GPU's in a
@@ -139,26 +139,26 @@ class NoOpDriver(DriverBase):
 DRIVER = NoOpDriver()
 
 
-def check_compiled_kernels() -> None:
-    """Raises unless normhooks' kernels are Triton JITFunctions (not interpreted)."""
-    from normhooks._kernels import lars, weight_norm, weight_standardization
+def kernel_modules() -> list[ModuleType]:
+    """normhooks' kernel modules (imported here)."""
+    from normhooks._kernels import _common, lars, weight_norm, weight_standardization
 
-    kernels = {
-        "lars._partial_squares": lars._partial_squares,
-        "lars._scale": lars._scale,
-        "weight_norm._forward": weight_norm._forward,
-        "weight_norm._backward": weight_norm._backward,
-        "weight_standardization._forward": weight_standardization._forward,
-        "weight_standardization._backward": weight_standardization._backward,
-    }
-    for name, kernel in kernels.items():
-        if not isinstance(kernel, JITFunction):
-            raise RuntimeError(
-                f"normhooks._kernels.{name} is a {type(kernel).__name__}, not a JITFunction: "
-                "its module was imported with TRITON_INTERPRET=1, and the interpreter would "
-                "compute on the CPU instead of going through the launcher. Call "
-                "_proxy.interpreter_off() before anything imports normhooks' kernels."
-            )
+    return [_common, lars, weight_norm, weight_standardization]
+
+
+def check_compiled_kernels() -> None:
+    """Raises if a kernel of normhooks is interpreted rather than compiled."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    for module in kernel_modules():
+        for name, value in vars(module).items():
+            if isinstance(value, InterpretedFunction):
+                raise RuntimeError(
+                    f"{module.__name__}.{name} is interpreted, not a JITFunction: its module "
+                    "was imported with TRITON_INTERPRET=1, and the interpreter would compute "
+                    "on the CPU instead of going through the launcher. Call "
+                    "_proxy.interpreter_off() before anything imports normhooks' kernels."
+                )
 
 
 @contextlib.contextmanager
