@@ -35,7 +35,9 @@ docs: $(STAMP)
 
 test: lint typecheck docs pytest
 
+# host.py is the CPU proxy of GPU host time (the CUDA path, Triton launching nothing).
 bench: $(STAMP)
+	$(BIN)/python benchmarks/host.py
 	$(BIN)/python benchmarks/lars.py
 	$(BIN)/python benchmarks/agc.py
 	$(BIN)/python benchmarks/ws.py

@@ -41,6 +41,36 @@ def time_side_by_side(
     return {name: statistics.median(values) for name, values in samples.items()}
 
 
+def interleaved_rounds(
+    candidates: Mapping[str, Callable[[], object]],
+    rounds: int,
+    calls: int,
+    warmup: int = 3,
+    clock: Callable[[], float] = time.perf_counter,
+) -> dict[str, list[float]]:
+    """Seconds per call of each candidate in each of ``rounds`` rounds, host clock only.
+
+    A round times ``calls`` back-to-back calls of every candidate, in an order rotated from
+    one round to the next, so that each candidate meets the machine's slow moments as often
+    as the others and none always follows the same neighbour. For code whose cost is all on
+    the host (nothing to synchronize): the CPU proxy of GPU host time.
+    """
+    for fn in candidates.values():
+        for _ in range(warmup):
+            fn()
+    names = list(candidates)
+    samples: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(rounds):
+        shift = r % len(names)
+        for name in names[shift:] + names[:shift]:
+            fn = candidates[name]
+            start = clock()
+            for _ in range(calls):
+                fn()
+            samples[name].append((clock() - start) / calls)
+    return samples
+
+
 def print_ratios(title: str, times: Mapping[str, float], baseline: str) -> None:
     base = times[baseline]
     print(f"\n{title}")

@@ -1,43 +1,73 @@
-"""GPU figures for normhooks against its peers and floors, side by side in one run.
+"""GPU figures for normhooks against its peers and floors, side by side, in one short GPU slot.
 
 Sections (each prints median times over interleaved repeats and ratios to its baseline; a
-second copy of the baseline is the run's noise line):
+second copy of the baseline is the run's noise line). Each runs on its own: one that fails
+prints its error and the next one runs; the exit status is 1 if anything failed.
 
 1. Kernels alone: normhooks' Triton kernels called directly against the plain torch formula
    and the peers' formulations (weight norm and weight standardization forward + backward
-   over ResNet-18's weights; LARS over the parameter sets of benchmarks/shapes).
-2. LARS in an optimizer step: SGD alone; + normhooks' GradientLARS; + a per-parameter loop;
-   + the LARS kernel called directly.
-3. Models, train step (forward, backward, SGD): ResNet-18 with GroupNorm at batch 32 and 256
-   and a 2-layer LSTM, eager; ResNet-18 at batch 32 under torch.compile (inductor, and
-   mode="reduce-overhead"). Candidates: plain; normhooks' weight standardization and the
-   batch_norm formulation timm's StdConv2d uses; normhooks' weight_norm and torch's
-   torch.nn.utils.parametrizations.weight_norm; the floors (an empty parametrization and a
-   multiply-by-1 parametrization).
+   over ResNet-18's weights).
+2. Gradient hooks: the LARS kernel alone against a per-parameter loop; in an optimizer step,
+   SGD(momentum, foreach) alone, + GradientLARS, + the loop, + the kernel called directly,
+   + AdaptiveGradientClipping; AdamW(foreach) alone and + TrustRatio; on the parameter sets
+   of benchmarks/shapes.
+3. Models, eager train step (forward, cross-entropy backward, SGD): ResNet-18 with GroupNorm
+   at batch 32 and 256 and a 2-layer LSTM. Candidates: plain; normhooks' weight
+   standardization and the batch_norm formulation timm's StdConv2d uses; normhooks'
+   weight_norm and torch's torch.nn.utils.parametrizations.weight_norm; the floors (an empty
+   parametrization and a multiply-by-1 parametrization).
+4. The host proxy (benchmarks/host.py --quick) on this machine's CPU: the CPU's prediction of
+   the host time, next to the GPU's own figures of section 3.
+5. ResNet-18 at batch 32 under torch.compile, inductor's default mode and
+   mode="reduce-overhead": plain, normhooks' weight_norm and weight standardization in both
+   modes, then the peers in both, compiled in that order while the time budget lasts (a
+   compile takes tens of seconds; none starts that the longest so far would carry past the
+   budget); those left out are named.
 
-    python benchmarks/gpu.py [--repeats 10] [--no-compile]
+The budget (240 s from the start of main; 120 with --quick) is what keeps a run inside a
+5-minute GPU slot: sections 1-4 are expected to take about a minute on an H200 (not measured
+yet), and section 5 compiles while the rest lasts.
+
+    python3 benchmarks/gpu.py [--repeats 10] [--budget 240] [--quick] [--no-compile]
+    python3 benchmarks/gpu.py --smoke   # no GPU: every section on tiny CPU models, the
+                                        # kernels through the host proxy (nothing is timed)
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import functools
 import json
 import sys
 import time
-from collections.abc import Callable
+import traceback
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.nn.utils import parametrize
 from torch.nn.utils.parametrizations import weight_norm as torch_weight_norm
 
-from _models import LSTMModel, ResNet18, on_every_matrix, with_empty_parametrizations
-from _timing import print_ratios, time_side_by_side
-from normhooks import GradientLARS, _kernels, apply_weight_standardization
+from _models import (
+    LSTMModel,
+    ResNet18,
+    on_every_matrix,
+    with_batch_norm_standardization,
+    with_empty_parametrizations,
+)
+from _timing import print_ratios, synchronize, time_side_by_side
+from normhooks import (
+    AdaptiveGradientClipping,
+    GradientLARS,
+    TrustRatio,
+    _kernels,
+    apply_weight_standardization,
+)
 from normhooks import weight_norm as normhooks_weight_norm
 
 SHAPES = Path(__file__).resolve().parent / "shapes"
@@ -49,28 +79,95 @@ SHAPE_SETS = {
 WEIGHT_DECAY = 1e-4
 WS_EPS = 1e-5
 WN_EPS = 1e-12
-DEVICE = torch.device("cuda")
+
+
+@dataclass
+class Run:
+    """The run's settings, its clock and what failed."""
+
+    device: torch.device
+    repeats: int
+    budget: float
+    batches: tuple[int, ...]
+    width: int  # ResNet-18's first width
+    image: int
+    lstm: tuple[int, int, int]  # features, hidden, steps
+    shape_cap: int | None  # every dimension of the hooks' tensors capped at this
+    compile_modes: tuple[tuple[str, dict[str, Any]], ...]
+    host_args: tuple[str, ...]
+    start: float = field(default_factory=time.perf_counter)
+    failures: list[str] = field(default_factory=list)
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.start
+
+    def section(self, title: str, body: Callable[[Run], None]) -> None:
+        """Runs one section; an error is printed and recorded, and the run goes on."""
+        print(f"\n== {title}", flush=True)
+        began = time.perf_counter()
+        try:
+            body(self)
+        except Exception:  # a benchmark reports, it does not stop at one failure
+            traceback.print_exc(file=sys.stdout)
+            self.failures.append(title)
+        print(f"[{time.perf_counter() - began:.0f} s; {self.elapsed():.0f} s in all]", flush=True)
+
+    def measure(self, title: str, candidates: dict[str, Callable[[], object]]) -> None:
+        """Times the candidates that run; one that fails says so, is recorded and left out."""
+        working = {}
+        for name, fn in candidates.items():
+            try:
+                fn()
+                synchronize(self.device)
+                working[name] = fn
+            except Exception as error:  # a benchmark reports, it does not stop at one failure
+                print(f"  [{title}] {name}: failed, {type(error).__name__}: {error}")
+                self.failures.append(f"{title}: {name}")
+        if not working:
+            return
+        times = time_side_by_side(working, self.device, self.repeats)
+        print_ratios(title, times, next(iter(working)))
+
+
+def gpu_run(repeats: int, budget: float, quick: bool, compile_: bool) -> Run:
+    modes: tuple[tuple[str, dict[str, Any]], ...] = (
+        ("default", {}),
+        ("reduce-overhead", {"mode": "reduce-overhead"}),
+    )
+    return Run(
+        device=torch.device("cuda"),
+        repeats=repeats,
+        budget=budget,
+        batches=(32,) if quick else (32, 256),
+        width=64,
+        image=64,
+        lstm=(128, 256, 32),
+        shape_cap=None,
+        compile_modes=modes if compile_ else (),
+        host_args=("--quick",),
+    )
+
+
+def smoke_run(budget: float, compile_: bool) -> Run:
+    # One thread: the smoke run only checks that everything runs, on a CPU that may be shared.
+    torch.set_num_threads(1)
+    return Run(
+        device=torch.device("cpu"),
+        repeats=1,
+        budget=budget,
+        batches=(2,),
+        width=8,
+        image=32,
+        lstm=(8, 16, 4),
+        shape_cap=4,
+        # Dynamo alone: the compiled section's code runs, without a C++ build of the graph.
+        compile_modes=(("eager backend (smoke)", {"backend": "eager"}),) if compile_ else (),
+        host_args=("--smoke",),
+    )
 
 
 # ---------------------------------------------------------------------------------------------
 # Peers, written here from their descriptions.
-
-
-class BatchNormStandardization(nn.Module):
-    """Weight standardization as timm's StdConv2d computes it: ``F.batch_norm`` over the weight
-    viewed as ``[1, out, -1]``, training mode, momentum 0, no running statistics."""
-
-    def forward(self, weight: Tensor) -> Tensor:
-        rows = weight.reshape(1, weight.shape[0], -1)
-        standardized = F.batch_norm(rows, None, None, training=True, momentum=0.0, eps=WS_EPS)
-        return standardized.reshape_as(weight)
-
-
-def with_batch_norm_standardization(model: nn.Module) -> nn.Module:
-    for module in list(model.modules()):
-        if isinstance(module, nn.Conv2d):
-            parametrize.register_parametrization(module, "weight", BatchNormStandardization())
-    return model
 
 
 def with_normhooks_standardization(model: nn.Module) -> nn.Module:
@@ -90,43 +187,29 @@ def naive_lars_(params: list[Tensor], weight_decay: float) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# Timing helpers
-
-
-def measure(title: str, candidates: dict[str, Callable[[], object]], repeats: int) -> None:
-    """Times the candidates that run; one that fails says so and is left out of the table."""
-    working = {}
-    for name, fn in candidates.items():
-        try:
-            fn()
-            torch.cuda.synchronize()
-            working[name] = fn
-        except Exception as error:  # a benchmark reports, it does not stop at one failure
-            print(f"  [{title}] {name}: failed, {type(error).__name__}: {error}")
-    if not working:
-        return
-    times = time_side_by_side(working, DEVICE, repeats)
-    print_ratios(title, times, next(iter(working)))
+# Models
 
 
 def train_steps(
-    models: dict[str, nn.Module], x: Tensor, target: Tensor, mode: str | None
+    models: dict[str, nn.Module], x: Tensor, target: Tensor, compile_options: dict[str, Any] | None
 ) -> dict[str, Callable[[], object]]:
-    """One train-step closure per model: forward (compiled with ``mode`` unless None),
-    cross-entropy backward, SGD(momentum) step."""
+    """One train-step closure per model: forward (compiled with ``compile_options`` unless
+    None), cross-entropy backward, SGD(momentum) step."""
     steps = {}
     for name, model in models.items():
         model.train()
         optimizer = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
         forward: Callable[[Tensor], Tensor] = model
-        if mode is not None:
-            forward = torch.compile(model, mode=None if mode == "default" else mode)
+        if compile_options is not None:
+            forward = torch.compile(model, **compile_options)
+        graphs = compile_options is not None and compile_options.get("mode") == "reduce-overhead"
 
         def step(
             forward: Callable[[Tensor], Tensor] = forward,
             optimizer: torch.optim.Optimizer = optimizer,
+            graphs: bool = graphs,
         ) -> None:
-            if mode == "reduce-overhead":
+            if graphs:
                 torch.compiler.cudagraph_mark_step_begin()
             optimizer.zero_grad(set_to_none=True)
             F.cross_entropy(forward(x), target).backward()
@@ -136,35 +219,109 @@ def train_steps(
     return steps
 
 
-def model_variants(
-    plain: nn.Module, floors: bool, standardize: bool = True
-) -> dict[str, nn.Module]:
-    variants: dict[str, Callable[[nn.Module], nn.Module]] = {
-        "plain": lambda m: m,
-        "plain, a second copy (noise)": lambda m: m,
-        "normhooks weight standardization": with_normhooks_standardization,
-        "timm-style batch_norm standardization": with_batch_norm_standardization,
-        "normhooks weight_norm": functools.partial(on_every_matrix, normhooks_weight_norm),
-        "torch weight_norm": functools.partial(on_every_matrix, torch_weight_norm),
-    }
-    if not standardize:  # weight standardization is for convolutions
-        del variants["normhooks weight standardization"]
-        del variants["timm-style batch_norm standardization"]
-    if floors:
-        variants["empty parametrization (floor)"] = with_empty_parametrizations
-        variants["multiply-by-1 parametrization (floor)"] = lambda m: with_empty_parametrizations(
-            m, times_one=True
+VARIANTS: dict[str, Callable[[nn.Module], nn.Module]] = {
+    "plain": lambda m: m,
+    "plain, a second copy (noise)": lambda m: m,
+    "normhooks weight standardization": with_normhooks_standardization,
+    "timm-style batch_norm standardization": functools.partial(
+        with_batch_norm_standardization, eps=WS_EPS
+    ),
+    "normhooks weight_norm": functools.partial(on_every_matrix, normhooks_weight_norm),
+    "torch weight_norm": functools.partial(on_every_matrix, torch_weight_norm),
+    "empty parametrization (floor)": with_empty_parametrizations,
+    "multiply-by-1 parametrization (floor)": functools.partial(
+        with_empty_parametrizations, times_one=True
+    ),
+}
+STANDARDIZATIONS = ("normhooks weight standardization", "timm-style batch_norm standardization")
+
+
+def model_variants(plain: nn.Module, names: tuple[str, ...]) -> dict[str, nn.Module]:
+    return {name: VARIANTS[name](copy.deepcopy(plain)) for name in names}
+
+
+def resnet_data(run: Run, batch: int) -> tuple[nn.Module, Tensor, Tensor]:
+    torch.manual_seed(0)
+    plain = ResNet18(width=run.width).to(run.device)
+    x = torch.randn(batch, 3, run.image, run.image, device=run.device)
+    target = torch.randint(0, 100, (batch,), device=run.device)
+    return plain, x, target
+
+
+def eager_models(run: Run) -> None:
+    for batch in run.batches:
+        plain, x, target = resnet_data(run, batch)
+        run.measure(
+            f"ResNet-18 (GroupNorm), batch {batch}, {run.image}x{run.image}, eager",
+            train_steps(model_variants(plain, tuple(VARIANTS)), x, target, None),
         )
-    return {name: make(copy.deepcopy(plain)) for name, make in variants.items()}
+    torch.manual_seed(0)
+    features, hidden, steps = run.lstm
+    lstm = LSTMModel(features, hidden).to(run.device)
+    x = torch.randn(run.batches[0], steps, features, device=run.device)
+    target = torch.randint(0, 10, (run.batches[0],), device=run.device)
+    names = tuple(name for name in VARIANTS if name not in STANDARDIZATIONS)
+    run.measure(
+        f"2-layer LSTM ({features} -> {hidden}), batch {run.batches[0]}, {steps} steps, eager",
+        train_steps(model_variants(lstm, names), x, target, None),
+    )
+
+
+# What is compiled, in this order while the budget lasts: normhooks and the baseline in every
+# mode first, then the peers. The floors are left out: inductor compiles an empty
+# parametrization away.
+COMPILED = ("plain", "normhooks weight_norm", "normhooks weight standardization")
+COMPILED_PEERS = ("torch weight_norm", "timm-style batch_norm standardization")
+
+
+def compiled_models(run: Run) -> None:
+    plain, x, target = resnet_data(run, run.batches[0])
+    steps = {
+        label: train_steps(model_variants(plain, COMPILED + COMPILED_PEERS), x, target, options)
+        for label, options in run.compile_modes
+    }
+    order = [
+        (label, name) for names in (COMPILED, COMPILED_PEERS) for label in steps for name in names
+    ]
+    compiled: dict[str, dict[str, Callable[[], object]]] = {label: {} for label in steps}
+    took: list[float] = []
+    # Ten models of one class: raise dynamo's recompile limit, and make hitting it an error
+    # rather than a silent fall back to eager (which would time the eager step as compiled).
+    with torch._dynamo.config.patch(recompile_limit=64, fail_on_recompile_limit_hit=True):
+        for index, (label, name) in enumerate(order):
+            # A compile starts only if the longest so far (a guess before the first) still fits.
+            if run.elapsed() + max(took, default=60.0) > run.budget:
+                left = ", ".join(f"{n} (mode={m})" for m, n in order[index:])
+                print(f"  [budget] not compiled: {left}")
+                break
+            began = time.perf_counter()
+            try:
+                steps[label][name]()
+                synchronize(run.device)
+            except Exception as error:  # a benchmark reports, it does not stop at one failure
+                print(f"  [mode={label}] {name}: failed, {type(error).__name__}: {error}")
+                run.failures.append(f"compiled mode={label}: {name}")
+                continue
+            took.append(time.perf_counter() - began)
+            print(f"  compiled {name} (mode={label}) in {took[-1]:.0f} s", flush=True)
+            compiled[label][name] = steps[label][name]
+        for label, chosen in compiled.items():
+            if chosen:
+                ordered = {n: chosen[n] for n in COMPILED + COMPILED_PEERS if n in chosen}
+                run.measure(
+                    f"ResNet-18 (GroupNorm), batch {run.batches[0]}, torch.compile mode={label}",
+                    ordered,
+                )
 
 
 # ---------------------------------------------------------------------------------------------
-# Sections
+# Kernels and hooks
 
 
-def kernels_alone(repeats: int) -> None:
-    print("\n== 1. Kernels alone (float32, forward + backward over all of ResNet-18's weights)")
-    weights = [p.detach() for p in ResNet18().to(DEVICE).parameters() if p.ndim >= 2]
+def kernels_alone(run: Run) -> None:
+    print("float32, forward + backward over all of ResNet-18's weights")
+    device = run.device
+    weights = [p.detach() for p in ResNet18(width=run.width).to(device).parameters() if p.ndim >= 2]
     vs = [w.clone().requires_grad_() for w in weights]
     gs = [
         w.flatten(1).norm(dim=1).view(-1, *[1] * (w.ndim - 1)).clone().requires_grad_()
@@ -187,7 +344,7 @@ def kernels_alone(repeats: int) -> None:
         outs = [_kernels.fused_weight_norm(g, v, 0, WN_EPS) for g, v in zip(gs, vs, strict=True)]
         torch.autograd.backward(outs, upstream)
 
-    measure(
+    run.measure(
         f"weight norm, {len(weights)} weights",
         {
             "plain formula (autograd)": plain_wn,
@@ -195,7 +352,6 @@ def kernels_alone(repeats: int) -> None:
             "torch._weight_norm (fused, no eps)": torch_fused_wn,
             "normhooks kernel (exact, eps)": kernel_wn,
         },
-        repeats,
     )
 
     rows = [w.clone().reshape(w.shape[0], -1).requires_grad_() for w in weights]
@@ -216,7 +372,7 @@ def kernels_alone(repeats: int) -> None:
         outs = [_kernels.standardize_rows(r, WS_EPS) for r in rows]
         torch.autograd.backward(outs, row_grads)
 
-    measure(
+    run.measure(
         f"weight standardization, {len(weights)} weights",
         {
             "layer_norm formula": layer_norm_ws,
@@ -224,142 +380,176 @@ def kernels_alone(repeats: int) -> None:
             "timm-style batch_norm formula": batch_norm_ws,
             "normhooks kernel": kernel_ws,
         },
-        repeats,
     )
 
 
-def parameter_set(shapes: list[list[int]]) -> list[nn.Parameter]:
+def parameter_set(run: Run, shapes: list[list[int]]) -> list[nn.Parameter]:
     params = []
     for shape in shapes:
-        param = nn.Parameter(torch.randn(shape, device=DEVICE))
-        param.grad = torch.randn(shape, device=DEVICE)
+        size = shape if run.shape_cap is None else [min(d, run.shape_cap) for d in shape]
+        param = nn.Parameter(torch.randn(size, device=run.device))
+        # Small enough that AGC clips about half its units: both of its branches do work.
+        param.grad = torch.randn(size, device=run.device) * 0.01
         params.append(param)
     return params
 
 
-def optimizer_step(
-    name: str,
-    params: list[nn.Parameter],
-    kernel: Callable[[list[nn.Parameter], list[Tensor]], None],
-) -> Callable[[], None]:
+def lars_kernel_(params: list[nn.Parameter], grads: list[Tensor]) -> None:
+    _kernels.lars_unit_(
+        params,
+        grads,
+        threshold=1e-2,
+        weight_decay=WEIGHT_DECAY,
+        eps=1e-9,
+        trust_coefficient=1.0,
+        lr=None,
+        clip=False,
+        grad_scale=None,
+        found_inf=None,
+    )
+
+
+def sgd_step(run: Run, shapes: list[list[int]], extra: str) -> Callable[[], None]:
+    params = parameter_set(run, shapes)
+    grads = [p.grad for p in params]
     optimizer = torch.optim.SGD(params, lr=0.1, momentum=0.9, foreach=True)
     optimizer.step()  # momentum buffers outside the timed region
-    if name == "+ GradientLARS":
+    if extra == "GradientLARS":
         GradientLARS(weight_decay=WEIGHT_DECAY).attach(optimizer)
-    grads = [p.grad for p in params]
+    elif extra == "AGC":
+        AdaptiveGradientClipping().attach(optimizer)
 
-    def run() -> None:
-        if name == "+ loop":
+    def step() -> None:
+        if extra == "loop":
             naive_lars_(params, WEIGHT_DECAY)
-        elif name == "+ kernel":
-            kernel(params, grads)  # type: ignore[arg-type]
+        elif extra == "kernel":
+            lars_kernel_(params, grads)  # type: ignore[arg-type]
         optimizer.step()
 
-    return run
+    return step
 
 
-def lars_sections(repeats: int) -> None:
-    print("\n== 2. LARS (float32): kernel alone, and in an SGD(momentum, foreach) step")
+def adamw_step(run: Run, shapes: list[list[int]], trust_ratio: bool) -> Callable[[], object]:
+    optimizer = torch.optim.AdamW(
+        parameter_set(run, shapes), lr=1e-3, weight_decay=1e-2, foreach=True
+    )
+    optimizer.step()  # the moments outside the timed region
+    if trust_ratio:
+        TrustRatio().attach(optimizer)
+    return optimizer.step
+
+
+def gradient_hooks(run: Run) -> None:
+    print("float32; LARS weight decay 1e-4, AGC clipping 0.01")
     for title, file in SHAPE_SETS.items():
         shapes = json.loads((SHAPES / file).read_text())
-        params = parameter_set(shapes)
+        params = parameter_set(run, shapes)
         grads = [p.grad for p in params]
-
-        def kernel(params: list[nn.Parameter], grads: list[Tensor]) -> None:
-            _kernels.lars_unit_(
-                params,
-                grads,
-                threshold=1e-2,
-                weight_decay=WEIGHT_DECAY,
-                eps=1e-9,
-                trust_coefficient=1.0,
-                lr=None,
-                clip=False,
-                grad_scale=None,
-                found_inf=None,
-            )
-
-        measure(
+        run.measure(
             f"{title} ({len(shapes)} tensors): LARS alone",
             {
                 "per-parameter loop": functools.partial(naive_lars_, params, WEIGHT_DECAY),
                 "per-parameter loop, again (noise)": functools.partial(
                     naive_lars_, params, WEIGHT_DECAY
                 ),
-                "normhooks kernel (2 launches)": functools.partial(kernel, params, grads),
+                "normhooks kernel (2 launches)": functools.partial(lars_kernel_, params, grads),
             },
-            repeats,
+        )
+        del params, grads
+        run.measure(
+            f"{title}: SGD(momentum, foreach) step",
+            {
+                "SGD alone": sgd_step(run, shapes, ""),
+                "SGD alone, again (noise)": sgd_step(run, shapes, ""),
+                "+ GradientLARS": sgd_step(run, shapes, "GradientLARS"),
+                "+ per-parameter LARS loop": sgd_step(run, shapes, "loop"),
+                "+ LARS kernel called directly": sgd_step(run, shapes, "kernel"),
+                "+ AdaptiveGradientClipping": sgd_step(run, shapes, "AGC"),
+            },
+        )
+        run.measure(
+            f"{title}: AdamW(foreach) step",
+            {
+                "AdamW alone": adamw_step(run, shapes, False),
+                "AdamW alone, again (noise)": adamw_step(run, shapes, False),
+                "+ TrustRatio": adamw_step(run, shapes, True),
+            },
         )
 
-        steps = {}
-        for name in (
-            "SGD alone",
-            "SGD alone, again (noise)",
-            "+ GradientLARS",
-            "+ loop",
-            "+ kernel",
-        ):
-            steps[name] = optimizer_step(name, parameter_set(shapes), kernel)
-        measure(f"{title}: optimizer step", steps, repeats)
+
+def host_proxy(run: Run) -> None:
+    import host
+
+    status = host.main(list(run.host_args))
+    if status:
+        raise RuntimeError(f"benchmarks/host.py exited with {status}")
 
 
-def model_sections(repeats: int, compile_: bool) -> None:
-    print("\n== 3. Models: train step (forward, cross-entropy backward, SGD)")
-    for batch in (32, 256):
-        torch.manual_seed(0)
-        plain = ResNet18().to(DEVICE)
-        x = torch.randn(batch, 3, 64, 64, device=DEVICE)
-        target = torch.randint(0, 100, (batch,), device=DEVICE)
-        measure(
-            f"ResNet-18 (GroupNorm), batch {batch}, 64x64, eager",
-            train_steps(model_variants(plain, floors=True), x, target, None),
-            repeats,
-        )
-    torch.manual_seed(0)
-    lstm = LSTMModel().to(DEVICE)
-    x = torch.randn(32, 32, 128, device=DEVICE)
-    target = torch.randint(0, 10, (32,), device=DEVICE)
-    measure(
-        "2-layer LSTM (128 -> 256), batch 32, 32 steps, eager",
-        train_steps(model_variants(lstm, floors=True, standardize=False), x, target, None),
-        repeats,
-    )
-    if not compile_:
+# ---------------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def kernels_for(run: Run) -> Iterator[None]:
+    """On the GPU, nothing to do; in a smoke run, the kernels go through the host proxy."""
+    if run.device.type == "cuda":
+        yield
         return
-    for mode in ("default", "reduce-overhead"):
-        torch.manual_seed(0)
-        plain = ResNet18().to(DEVICE)
-        x = torch.randn(32, 3, 64, 64, device=DEVICE)
-        target = torch.randint(0, 100, (32,), device=DEVICE)
-        # The floors are left out here: inductor compiles an empty parametrization away.
-        models = model_variants(plain, floors=False)
-        measure(
-            f"ResNet-18 (GroupNorm), batch 32, torch.compile mode={mode}",
-            train_steps(models, x, target, mode),
-            repeats,
-        )
+    import _proxy
+
+    with _proxy.cuda_path_on_cpu():
+        yield
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=10)
-    parser.add_argument("--no-compile", action="store_true", help="skip the compiled section")
-    args = parser.parse_args()
-    if not torch.cuda.is_available():
-        print("benchmarks/gpu.py needs a CUDA device; none is available here, nothing to time.")
-        return 0
-    if not _kernels.available(torch.ones(1, device=DEVICE)):
-        print("benchmarks/gpu.py needs Triton for the kernels; it is not importable here.")
-        return 0
-    start = time.perf_counter()
-    print(
-        f"normhooks on {torch.cuda.get_device_name()}, torch {torch.__version__}, "
-        f"{time.strftime('%Y-%m-%d')}; medians of {args.repeats} interleaved repeats"
+    parser.add_argument(
+        "--budget",
+        type=float,
+        help="seconds for the whole run; no compile starts that would overrun it (240, or 120 "
+        "with --quick)",
     )
-    kernels_alone(args.repeats)
-    lars_sections(args.repeats)
-    model_sections(args.repeats, compile_=not args.no_compile)
-    print(f"\ntotal {time.perf_counter() - start:.0f} s")
+    parser.add_argument("--quick", action="store_true", help="batch 32 only, 5 repeats")
+    parser.add_argument("--no-compile", action="store_true", help="skip the compiled section")
+    parser.add_argument("--smoke", action="store_true", help="no GPU: check that every part runs")
+    args = parser.parse_args()
+    if args.smoke:
+        # Before anything imports normhooks' kernels: they must compile, not be interpreted.
+        import _proxy
+
+        _proxy.interpreter_off()
+        run = smoke_run(args.budget or float("inf"), not args.no_compile)
+    else:
+        if not torch.cuda.is_available():
+            print("benchmarks/gpu.py needs a CUDA device (or --smoke to check it on the CPU)")
+            return 1
+        if not _kernels.available(torch.ones(1, device="cuda")):
+            print("benchmarks/gpu.py needs Triton for the kernels; it is not importable here.")
+            return 1
+        budget = args.budget if args.budget is not None else 120.0 if args.quick else 240.0
+        repeats = 5 if args.quick else args.repeats
+        run = gpu_run(repeats, budget, args.quick, not args.no_compile)
+    where = "the CPU, a smoke run (the kernels launch nothing: its times mean nothing)"
+    if run.device.type == "cuda":
+        where = torch.cuda.get_device_name()
+    print(
+        f"normhooks on {where}, torch {torch.__version__}, {time.strftime('%Y-%m-%d')}; medians "
+        f"of {run.repeats} interleaved repeats; budget {run.budget:.0f} s"
+    )
+    with kernels_for(run):
+        run.section("1. Kernels alone", kernels_alone)
+        run.section("2. Gradient hooks", gradient_hooks)
+        run.section(
+            "3. Models, eager: train step (forward, cross-entropy backward, SGD)", eager_models
+        )
+    run.section("4. Host proxy on this machine's CPU (benchmarks/host.py)", host_proxy)
+    if run.compile_modes:
+        with kernels_for(run):
+            run.section("5. Models under torch.compile: train step", compiled_models)
+    print(f"\ntotal {run.elapsed():.0f} s")
+    if run.failures:
+        print("failed: " + "; ".join(run.failures))
+        return 1
     return 0
 
 

@@ -1,15 +1,17 @@
 """The library's CUDA dispatch to the Triton kernels, exercised on the CPU.
 
-``_kernels.available`` is true only for CUDA tensors. Here it is forced true for CPU tensors,
-which Triton's interpreter runs (conftest sets ``TRITON_INTERPRET=1`` without a GPU), so the
-code that hands layers and optimizer steps to the kernels is tested against the eager paths
-that run everywhere else.
+``_kernels.available`` is true only for CUDA tensors, except inside
+``_kernels.route_cpu_tensors()``, which sends CPU tensors down the same path. Triton's
+interpreter runs the kernels on them (conftest sets ``TRITON_INTERPRET=1`` without a GPU), so
+the code that hands layers and optimizer steps to the kernels is tested against the eager
+paths that run everywhere else.
 """
 
 from __future__ import annotations
 
 import copy
 import os
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -35,18 +37,24 @@ from normhooks import (
 pytestmark = pytest.mark.filterwarnings("ignore:.*encountered in:RuntimeWarning")
 
 
+ENTRY_POINTS = ("fused_weight_norm", "standardize_rows", "lars_unit_")
+
+
 @pytest.fixture
-def kernels_on_cpu(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """Routes every dispatch to the kernels, counting the times it was asked."""
-    asked = [0]
-    plain = (torch.Tensor, nn.Parameter)
+def kernel_calls(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
+    """Counts the calls of each kernel entry point; the tests turn the routing on themselves."""
+    calls = dict.fromkeys(ENTRY_POINTS, 0)
 
-    def available(tensor: torch.Tensor) -> bool:
-        asked[0] += 1
-        return type(tensor) in plain and not torch.compiler.is_compiling()
+    def counting(name: str, entry: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+        def count(*args: object, **kwargs: object) -> torch.Tensor:
+            calls[name] += 1
+            return entry(*args, **kwargs)
 
-    monkeypatch.setattr(_kernels, "available", available)
-    return asked
+        return count
+
+    for name in ENTRY_POINTS:
+        monkeypatch.setattr(_kernels, name, counting(name, getattr(_kernels, name)))
+    return calls
 
 
 def cnn(dtype: torch.dtype) -> nn.Sequential:
@@ -60,90 +68,89 @@ def cnn(dtype: torch.dtype) -> nn.Sequential:
     ).to(dtype)
 
 
+def forward_backward(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    out = model(x)
+    out.square().sum().backward()
+    return out
+
+
 @pytest.mark.parametrize("scaled", [False, True], ids=["ws", "scaled-ws"])
-def test_weight_standardization_through_the_kernel(kernels_on_cpu: list[int], scaled: bool) -> None:
+def test_weight_standardization_through_the_kernel(
+    kernel_calls: dict[str, int], scaled: bool
+) -> None:
     gamma = 1.3 if scaled else 1.0
     eager = apply_weight_standardization(cnn(torch.float64), scaled=scaled, gamma=gamma)
     fused = copy.deepcopy(eager)
     x = torch.randn(2, 2, 5, 5, dtype=torch.float64)
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(_kernels, "available", lambda tensor: False)
-        expected = eager(x)
-        expected.square().sum().backward()
-    asked = kernels_on_cpu[0]
-    out = fused(x)
-    out.square().sum().backward()
-    assert kernels_on_cpu[0] > asked
+    expected = forward_backward(eager, x)
+    assert kernel_calls["standardize_rows"] == 0
+    with _kernels.route_cpu_tensors():
+        out = forward_backward(fused, x)
+    assert kernel_calls["standardize_rows"] > 0
     torch.testing.assert_close(out, expected)
     for a, b in zip(fused.parameters(), eager.parameters(), strict=True):
         torch.testing.assert_close(a.grad, b.grad)
 
 
 @pytest.mark.parametrize("eps", [1e-12, 0.0, 0.5])
-def test_weight_norm_through_the_kernel(kernels_on_cpu: list[int], eps: float) -> None:
+def test_weight_norm_through_the_kernel(kernel_calls: dict[str, int], eps: float) -> None:
     eager = apply_weight_norm(cnn(torch.float64), eps=eps)
     with torch.no_grad():
         eager[0].parametrizations.weight.original1[1].zero_()  # a zero row
     fused = copy.deepcopy(eager)
     x = torch.randn(2, 2, 5, 5, dtype=torch.float64)
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(_kernels, "available", lambda tensor: False)
-        expected = eager(x)
-        expected.square().sum().backward()
-    asked = kernels_on_cpu[0]
-    out = fused(x)
-    out.square().sum().backward()
-    assert kernels_on_cpu[0] > asked
+    expected = forward_backward(eager, x)
+    assert kernel_calls["fused_weight_norm"] == 0
+    with _kernels.route_cpu_tensors():
+        out = forward_backward(fused, x)
+    assert kernel_calls["fused_weight_norm"] > 0
     torch.testing.assert_close(out, expected)
     for a, b in zip(fused.parameters(), eager.parameters(), strict=True):
         assert torch.isfinite(a.grad).all()
         torch.testing.assert_close(a.grad, b.grad)
 
 
-def test_weight_norm_of_the_output_axis_through_the_kernel(kernels_on_cpu: list[int]) -> None:
+def test_weight_norm_of_the_output_axis_through_the_kernel(kernel_calls: dict[str, int]) -> None:
     eager = weight_norm(nn.ConvTranspose2d(4, 6, 2, stride=2, groups=2).double(), dim=1)
     fused = copy.deepcopy(eager)
     x = torch.randn(2, 4, 3, 3, dtype=torch.float64)
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(_kernels, "available", lambda tensor: False)
-        expected = eager(x)
-        expected.square().sum().backward()
-    out = fused(x)
-    out.square().sum().backward()
+    expected = forward_backward(eager, x)
+    with _kernels.route_cpu_tensors():
+        out = forward_backward(fused, x)
+    assert kernel_calls["fused_weight_norm"] == 1
     torch.testing.assert_close(out, expected)
     for a, b in zip(fused.parameters(), eager.parameters(), strict=True):
         torch.testing.assert_close(a.grad, b.grad)
 
 
 @pytest.mark.parametrize("weight_decay", [0.0, 1e-2])
-def test_lars_step_through_the_kernel(kernels_on_cpu: list[int], weight_decay: float) -> None:
+def test_lars_step_through_the_kernel(kernel_calls: dict[str, int], weight_decay: float) -> None:
     model = cnn(torch.float32)
     reference = copy.deepcopy(model)
     x = torch.randn(2, 2, 5, 5)
 
-    def train(m: nn.Module, use_kernels: bool) -> list[torch.Tensor]:
+    def train(m: nn.Module) -> list[torch.Tensor]:
         optimizer = torch.optim.SGD(lars_param_groups(m), lr=0.1, momentum=0.9)
         hook = GradientLARS(weight_decay=weight_decay)
         hook.attach(optimizer)
-        with pytest.MonkeyPatch.context() as patch:
-            if not use_kernels:
-                patch.setattr(_kernels, "available", lambda tensor: False)
-            for _ in range(2):
-                optimizer.zero_grad()
-                m(x).square().mean().backward()
-                optimizer.step()
+        for _ in range(2):
+            optimizer.zero_grad()
+            m(x).square().mean().backward()
+            optimizer.step()
         return hook.last_rates
 
-    rates = train(model, True)
-    assert kernels_on_cpu[0] > 0
-    expected = train(reference, False)
+    expected = train(reference)
+    assert kernel_calls["lars_unit_"] == 0
+    with _kernels.route_cpu_tensors():
+        rates = train(model)
+    assert kernel_calls["lars_unit_"] > 0
     for a, b in zip(rates, expected, strict=True):
         torch.testing.assert_close(a, b)
     for a, b in zip(model.parameters(), reference.parameters(), strict=True):
         torch.testing.assert_close(a, b)
 
 
-def test_lars_kernel_under_fused_grad_scaler(kernels_on_cpu: list[int]) -> None:
+def test_lars_kernel_under_fused_grad_scaler(kernel_calls: dict[str, int]) -> None:
     """The kernel follows the hook base's protocol: unscaled results, grad_scale cleared."""
     model = cnn(torch.float32)
     reference = copy.deepcopy(model)
@@ -159,9 +166,10 @@ def test_lars_kernel_under_fused_grad_scaler(kernels_on_cpu: list[int]) -> None:
             scaler.step(optimizer)
             scaler.update()
 
-    train(model, True)
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(_kernels, "available", lambda tensor: False)
-        train(reference, False)
+    train(reference, False)
+    assert kernel_calls["lars_unit_"] == 0
+    with _kernels.route_cpu_tensors():
+        train(model, True)
+    assert kernel_calls["lars_unit_"] > 0
     for a, b in zip(model.parameters(), reference.parameters(), strict=True):
         torch.testing.assert_close(a, b)

@@ -4,16 +4,27 @@
 first call. :func:`available` is the dispatch rule: Triton importable, a plain CUDA tensor,
 and not under ``torch.compile`` (where inductor fuses the plain formula itself) nor a
 ``torch.func`` transform (whose wrapped tensors a kernel cannot read).
+
+:func:`route_cpu_tensors` is the one private switch that sends plain CPU tensors down the same
+path, for the code around the kernels to be exercised without a GPU: the tests run the
+kernels under Triton's interpreter that way, and ``benchmarks/host.py`` times the CUDA path's
+host cost with a Triton driver that launches nothing.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
+from collections.abc import Iterator
 
 from torch import Tensor
 
 from normhooks import _torch_compat
+
+# Process-wide, not per thread: autograd and optimizer hooks may run on other threads than
+# the one that turned the switch on. Only route_cpu_tensors changes it.
+_route_cpu = False
 
 
 @functools.cache
@@ -23,7 +34,31 @@ def _triton_importable() -> bool:
 
 def available(tensor: Tensor) -> bool:
     """Whether the kernels can run on ``tensor``."""
-    return tensor.is_cuda and _torch_compat.plain_eager(tensor) and _triton_importable()
+    return (
+        (tensor.is_cuda or (_route_cpu and tensor.is_cpu))
+        and _torch_compat.plain_eager(tensor)
+        and _triton_importable()
+    )
+
+
+@contextlib.contextmanager
+def route_cpu_tensors() -> Iterator[None]:
+    """Within the block, plain CPU tensors go to the kernels as CUDA tensors do (private).
+
+    Only the device test changes: compiling, tracing, ``torch.func``, dispatch modes and
+    tensor subclasses still get the plain formula. A CPU tensor reaches a kernel's launch
+    only where Triton can take it: its interpreter (``TRITON_INTERPRET=1`` when the kernel
+    modules are imported) or a driver that launches nothing (``benchmarks/_proxy.py``);
+    Triton's CUDA launcher refuses a CPU pointer. Nests; on leaving, the routing is what it
+    was before, exception or not. Not for use from several threads at once.
+    """
+    global _route_cpu
+    previous = _route_cpu
+    _route_cpu = True
+    try:
+        yield
+    finally:
+        _route_cpu = previous
 
 
 def lars_unit_(
