@@ -403,11 +403,61 @@ def apply_to_parameters_(
 
 # --- the hook ------------------------------------------------------------------------------
 
-# Which hook of each technique (by its prefix) is attached to an optimizer: two of one
-# technique would apply it twice, silently.
-_ATTACHED: weakref.WeakKeyDictionary[
-    torch.optim.Optimizer, dict[str, tuple[Any, RemovableHandle]]
-] = weakref.WeakKeyDictionary()
+# The optimizer wrappers that frameworks hand to user code, by the module and name of a class
+# in their MRO (so subclasses count, accelerate's DeepSpeedOptimizerWrapper included), and the
+# attribute holding the optimizer whose step they run. Matched by name: nothing is imported.
+_FRAMEWORK_WRAPPERS = {
+    ("accelerate.optimizer", "AcceleratedOptimizer"): "optimizer",
+    ("lightning.pytorch.core.optimizer", "LightningOptimizer"): "_optimizer",
+    ("pytorch_lightning.core.optimizer", "LightningOptimizer"): "_optimizer",
+}
+
+
+def _unwrap(optimizer: object) -> object:
+    """The optimizer inside accelerate's and Lightning's wrappers (nested ones too)."""
+    while True:
+        attribute = next(
+            (
+                _FRAMEWORK_WRAPPERS[key]
+                for cls in type(optimizer).__mro__
+                if (key := (cls.__module__, cls.__qualname__)) in _FRAMEWORK_WRAPPERS
+            ),
+            None,
+        )
+        inner = None if attribute is None else getattr(optimizer, attribute, None)
+        if inner is None or inner is optimizer:
+            return optimizer
+        optimizer = inner
+
+
+def _hooks_on(optimizer: torch.optim.Optimizer) -> list[tuple[int, GradientHook[Any]]]:
+    """The gradient hooks whose pre-step is in ``optimizer``'s hook dict, with their handle ids.
+
+    The dict, not the Python object, is what a step runs: a wrapper that forwards its
+    attributes shares the dict of the optimizer it wraps.
+    """
+    found = []
+    for key, hook in compat.step_pre_hooks(optimizer):
+        owner = getattr(hook, "__self__", None)
+        if isinstance(owner, GradientHook) and getattr(hook, "__name__", None) == "_pre_step":
+            found.append((key, owner))
+    return found
+
+
+def _wrapped(optimizer: torch.optim.Optimizer) -> list[torch.optim.Optimizer]:
+    """The optimizers that ``optimizer`` holds in ``.optimizer`` and steps, innermost last.
+
+    pytorch_optimizer's Lookahead and ScheduleFreeWrapper, for instance, hold the optimizer
+    they step there.
+    """
+    chain: list[torch.optim.Optimizer] = []
+    current: object = optimizer
+    while True:
+        inner = getattr(current, "optimizer", None)
+        if not isinstance(inner, torch.optim.Optimizer) or inner is optimizer or inner in chain:
+            return chain
+        chain.append(inner)
+        current = inner
 
 
 class GradientHook(Generic[S]):
@@ -493,45 +543,78 @@ class GradientHook(Generic[S]):
         """Registers the hook with ``optimizer.register_step_pre_hook``.
 
         The optimizer's class, ``state_dict`` and LR schedulers are untouched; remove the hook
-        with the returned handle's ``remove()``.
+        with the returned handle's ``remove()``. The wrappers that frameworks hand to user
+        code are unwrapped, and the hook is registered on the optimizer whose step they run:
+        accelerate's ``AcceleratedOptimizer`` (what an HF ``TrainerCallback`` receives) and
+        Lightning's ``LightningOptimizer`` (what ``LightningModule.optimizers()`` returns).
 
         Args:
-            optimizer: any instance of :class:`torch.optim.Optimizer`.
+            optimizer: any instance of :class:`torch.optim.Optimizer`, or one of the
+                wrappers above.
 
         Returns:
             The handle of the registered pre-hook; for a technique with a post-step, one
             handle whose ``remove()`` removes both hooks.
         """
         name = type(self).__name__
-        if not isinstance(optimizer, torch.optim.Optimizer):
+        target = _unwrap(optimizer)
+        if not isinstance(target, torch.optim.Optimizer):
             raise TypeError(
                 f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}"
             )
-        if isinstance(optimizer, torch.optim.LBFGS):
+        if isinstance(target, torch.optim.LBFGS):
             raise TypeError(
                 f"{name} cannot be attached to LBFGS: LBFGS evaluates its closure many times "
                 "per step, and the hook can only rewrite the gradients of one evaluation"
             )
-        attached = _ATTACHED.setdefault(optimizer, {})
-        # Keyed by the technique's prefix, so a subclass cannot slip in a second one either.
-        previous = attached.get(self.prefix)
-        if previous is not None and compat.is_handle_registered(previous[1]):
-            if previous[0] is self:
+        self._refuse_a_second_one(target)
+        self._check_optimizer(target)
+        handle = target.register_step_pre_hook(self._pre_step)
+        if type(self)._after_step is not GradientHook._after_step:
+            handle = _HookPair(handle, target.register_step_post_hook(self._after_step))
+        return handle
+
+    def _refuse_a_second_one(self, optimizer: torch.optim.Optimizer) -> None:
+        """Raises if a hook of this technique is on ``optimizer``'s hook dict already, or on
+        that of an optimizer it wraps (which its step steps: both would apply).
+
+        Keyed by the technique's prefix, so a subclass cannot slip in a second one either.
+        """
+        name = type(self).__name__
+        for _, other in _hooks_on(optimizer):
+            if other.prefix != self.prefix:
+                continue
+            if other is self:
                 raise RuntimeError(
                     f"this {name} is already attached to this {type(optimizer).__name__}; "
                     "remove the first handle before attaching it again"
                 )
             raise RuntimeError(
-                f"another {name} ({previous[0]!r}) is already attached to this "
+                f"another {name} ({other!r}) is already attached to this "
                 f"{type(optimizer).__name__}; two would apply {self.technique} twice. Remove "
                 "the first one with its handle's remove() before attaching this one"
             )
-        self._check_optimizer(optimizer)
-        handle = optimizer.register_step_pre_hook(self._pre_step)
-        if type(self)._after_step is not GradientHook._after_step:
-            handle = _HookPair(handle, optimizer.register_step_post_hook(self._after_step))
-        attached[self.prefix] = (self, handle)
-        return handle
+        self._refuse_one_inside(optimizer)
+
+    def _refuse_one_inside(self, optimizer: torch.optim.Optimizer) -> None:
+        """Raises if a hook of this technique is on an optimizer that ``optimizer`` wraps.
+
+        Checked again at each step: the inner hook may be attached after the outer one.
+        """
+        inner = _wrapped(optimizer)
+        if not inner:
+            return
+        own = {key for key, _ in _hooks_on(optimizer)}
+        for wrapped in inner:
+            for key, other in _hooks_on(wrapped):
+                if key not in own and other.prefix == self.prefix:
+                    raise RuntimeError(
+                        f"a {type(other).__name__} is attached to the "
+                        f"{type(wrapped).__name__} that {type(optimizer).__name__} wraps and "
+                        f"steps (its .optimizer), and a {type(self).__name__} to "
+                        f"{type(optimizer).__name__} itself: the two would apply "
+                        f"{self.technique} twice. Keep one of them"
+                    )
 
     def _check_optimizer(self, optimizer: torch.optim.Optimizer) -> list[S | None]:
         """Every param group's settings (None where it opts out), after checking its params."""
@@ -619,8 +702,9 @@ class GradientHook(Generic[S]):
         # for every hook on this optimizer, so a bad param group leaves the model untouched
         # whichever hook it concerns (hooks run one after the other).
         if not torch.compiler.is_compiling():
-            for hook, handle in list(_ATTACHED.get(optimizer, {}).values()):
-                if hook is not self and compat.is_handle_registered(handle):
+            self._refuse_one_inside(optimizer)
+            for _, hook in _hooks_on(optimizer):
+                if hook is not self:
                     hook._check_optimizer(optimizer)
         settings_of = self._check_optimizer(optimizer)
         closure, args, kwargs = _take_closure(args, kwargs)
@@ -695,7 +779,7 @@ class GradientHook(Generic[S]):
 
 
 class _HookPair(RemovableHandle):
-    """The pre-hook's handle (same id, so duplicate checks see it), also removing the post-hook.
+    """The pre-hook's handle (same id), also removing the post-hook.
 
     A subclass of torch's handle rather than an edit of the optimizer's hook dicts.
     """
