@@ -9,7 +9,7 @@ TrustRatio on it (with its defaults, threshold and eps 0: the update's direction
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -228,4 +228,180 @@ def test_gradient_hooks_on_lookahead_scale_the_gradients_its_optimizer_steps_wit
         loss_of(model, batch).backward()
         optimizer.step()
     for got, want in zip(model.parameters(), expected, strict=True):
+        torch.testing.assert_close(got, want)
+
+
+# --- SAM-style two-pass optimizers -----------------------------------------------------------
+
+RHO = 0.05
+
+
+def sam_optimizers() -> dict[str, Callable[[nn.Module], torch.optim.Optimizer]]:
+    import pytorch_optimizer as po
+
+    sgd = torch.optim.SGD
+    return {
+        "SAM": lambda m: po.SAM(m.parameters(), sgd, lr=LR),
+        "ASAM": lambda m: po.SAM(m.parameters(), sgd, adaptive=True, lr=LR),
+        "WSAM": lambda m: po.WSAM(m, m.parameters(), sgd, lr=LR),
+        "LookSAM": lambda m: po.LookSAM(m.parameters(), sgd, lr=LR),
+        "FriendlySAM": lambda m: po.FriendlySAM(m.parameters(), sgd, lr=LR),
+        "GSAM": lambda m: po.GSAM(
+            m.parameters(),
+            sgd(m.parameters(), lr=LR),
+            m,
+            po.ProportionScheduler(
+                torch.optim.lr_scheduler.LambdaLR(sgd(m.parameters(), lr=LR), lambda _: 1.0),
+                max_lr=LR,
+                min_lr=LR,
+            ),
+        ),
+    }
+
+
+@pytest.mark.parametrize("kind", ["SAM", "ASAM", "WSAM", "LookSAM", "FriendlySAM", "GSAM"])
+@pytest.mark.parametrize("hook", [GradientLARS, AdaptiveGradientClipping, TrustRatio])
+def test_optimizers_stepping_a_base_optimizer_are_refused(kind: str, hook: type) -> None:
+    """The hook would see the first pass's gradients only; SAM's weights never moved."""
+    optimizer = sam_optimizers()[kind](make_model())
+    with pytest.raises(
+        TypeError, match=r"steps a base_optimizer \(SGD\).*optimizer\.base_optimizer"
+    ):
+        hook().attach(optimizer)
+    assert not optimizer._optimizer_step_pre_hooks
+    assert not optimizer.base_optimizer._optimizer_step_pre_hooks
+
+
+def sam_lars_reference(model: nn.Module, data: list[tuple[Tensor, Tensor]]) -> list[Tensor]:
+    """SAM (Foret et al. 2021) with SGD and LARS on its base step, written out in float64:
+    perturb by rho * g / (||g|| + 1e-12) with the global gradient norm, take the gradient
+    there, restore the weights and step with the LARS rate of that gradient."""
+    params = list(model.parameters())
+    for batch in data:
+        model.zero_grad()
+        loss_of(model, batch).backward()
+        with torch.no_grad():
+            norm = torch.stack([p.grad.double().norm() for p in params]).norm() + 1e-12
+            old = [p.detach().clone() for p in params]
+            for param in params:
+                param.add_((RHO / norm * param.grad.double()).to(param.dtype))
+        model.zero_grad()
+        loss_of(model, batch).backward()
+        with torch.no_grad():
+            for param, start in zip(params, old, strict=True):
+                w_norm = start.double().norm()
+                rate = w_norm / (EPS + param.grad.double().norm()) if w_norm > 1e-2 else 1.0
+                param.copy_(start - (LR * rate * param.grad.double()).to(param.dtype))
+    return [p.detach().clone() for p in params]
+
+
+def test_lars_on_sams_base_optimizer_is_sam_with_lars_on_the_second_gradients() -> None:
+    from pytorch_optimizer import SAM
+
+    data = batches()
+    model = make_model()
+    expected = sam_lars_reference(copy.deepcopy(model), data)
+    optimizer = SAM(model.parameters(), torch.optim.SGD, rho=RHO, lr=LR)
+    GradientLARS().attach(optimizer.base_optimizer)
+    for batch in data:
+
+        def closure(batch: tuple[Tensor, Tensor] = batch) -> Tensor:
+            optimizer.zero_grad()
+            loss = loss_of(model, batch)
+            loss.backward()
+            return loss
+
+        closure()
+        optimizer.step(closure)
+    for got, want in zip(model.parameters(), expected, strict=True):
+        torch.testing.assert_close(got, want)
+
+
+class TwoPass(torch.optim.Optimizer):
+    """A SAM-like optimizer without a base_optimizer: it moves the parameters, calls the
+    closure for the gradients there, moves them back and takes an SGD step with those."""
+
+    def __init__(self, params: object, lr: float) -> None:
+        super().__init__(params, {"lr": lr})  # type: ignore[arg-type]
+
+    def step(self, closure: Callable[[], Tensor] | None = None) -> None:  # type: ignore[override]
+        assert closure is not None
+        params = [p for group in self.param_groups for p in group["params"] if p.grad is not None]
+        with torch.no_grad():
+            shifts = [RHO * p.grad for p in params]
+            for param, shift in zip(params, shifts, strict=True):
+                param.add_(shift)
+        with torch.enable_grad():
+            closure()
+        with torch.no_grad():
+            for param, shift in zip(params, shifts, strict=True):
+                param.sub_(shift)
+                if param.grad is not None:
+                    param.sub_(self.param_groups[0]["lr"] * param.grad)
+
+
+def closure_for(model: nn.Module, optimizer: torch.optim.Optimizer) -> Callable[[], Tensor]:
+    batch = batches(1)[0]
+
+    def closure() -> Tensor:
+        optimizer.zero_grad()
+        loss = loss_of(model, batch)
+        loss.backward()
+        return loss
+
+    return closure
+
+
+@pytest.mark.parametrize("hook", [GradientLARS, AdaptiveGradientClipping, TrustRatio])
+def test_a_closure_called_after_the_parameters_moved_raises(hook: type) -> None:
+    """Its loss came with no gradients there: the step silently did nothing."""
+    model = make_model()
+    optimizer = TwoPass(model.parameters(), lr=LR)
+    hook().attach(optimizer)
+    with pytest.raises(RuntimeError, match="TwoPass changed the parameters and then called"):
+        optimizer.step(closure_for(model, optimizer))
+
+
+def test_bayesian_sam_is_told_why_the_closure_cannot_serve_it() -> None:
+    """pytorch_optimizer's BSAM has no base_optimizer and calls its closure twice, each
+    time after moving the parameters."""
+    from pytorch_optimizer import BSAM
+
+    model = make_model()
+    optimizer = BSAM(model.parameters(), num_data=8, lr=LR)
+    GradientLARS().attach(optimizer)
+    with pytest.raises(RuntimeError, match="BSAM changed the parameters and then called"):
+        optimizer.step(closure_for(model, optimizer))
+
+
+def test_trust_ratio_on_lookahead_is_refused_with_a_pointer_to_its_optimizer() -> None:
+    """Lookahead moves the weights after its optimizer's step: TrustRatio would rescale that."""
+    from pytorch_optimizer import Lookahead
+
+    optimizer = Lookahead(torch.optim.SGD(make_model().parameters(), lr=LR))
+    with pytest.raises(TypeError, match=r"steps the SGD it wraps .*optimizer\.optimizer"):
+        TrustRatio().attach(optimizer)
+
+
+def test_trust_ratio_on_lookaheads_optimizer_is_lookahead_of_the_rescaled_steps() -> None:
+    """Lookahead(k=2, alpha=0.5) written out around trust-ratio SGD (ratio ||w|| / ||g||)."""
+    from pytorch_optimizer import Lookahead
+
+    data = batches(4)
+    model = make_model()
+    reference = copy.deepcopy(model)
+    optimizer = Lookahead(torch.optim.SGD(model.parameters(), lr=LR), k=2, alpha=0.5)
+    TrustRatio().attach(optimizer.optimizer)
+    slow = [p.detach().clone() for p in reference.parameters()]
+    for step, batch in enumerate(data, start=1):
+        optimizer.zero_grad()
+        loss_of(model, batch).backward()
+        optimizer.step()
+        rated_sgd_reference(reference, [batch], threshold=0.0, eps=0.0)
+        if step % 2 == 0:
+            with torch.no_grad():
+                for param, anchor in zip(reference.parameters(), slow, strict=True):
+                    param.copy_(anchor + 0.5 * (param - anchor))
+                    anchor.copy_(param)
+    for got, want in zip(model.parameters(), reference.parameters(), strict=True):
         torch.testing.assert_close(got, want)

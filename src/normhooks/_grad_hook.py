@@ -567,6 +567,25 @@ class GradientHook(Generic[S]):
                 f"{name} cannot be attached to LBFGS: LBFGS evaluates its closure many times "
                 "per step, and the hook can only rewrite the gradients of one evaluation"
             )
+        base = getattr(target, "base_optimizer", None)
+        if isinstance(base, torch.optim.Optimizer) and base is not target:
+            raise TypeError(
+                f"{name} cannot be attached to {type(target).__name__}, which steps a "
+                f"base_optimizer ({type(base).__name__}): like SAM, it moves the parameters, "
+                "evaluates its closure there and then has base_optimizer step with those "
+                f"gradients, which the hook would never see. Attach {name} to "
+                "optimizer.base_optimizer: its step takes exactly those gradients, at the "
+                "restored parameters"
+            )
+        inner = _wrapped(target)
+        if inner and type(self)._after_step is not GradientHook._after_step:
+            raise TypeError(
+                f"{name} cannot be attached to {type(target).__name__}, which steps the "
+                f"{type(inner[0]).__name__} it wraps (its .optimizer) and may move the "
+                f"parameters itself (as Lookahead does): {name} rescales the change of the "
+                "parameters over the whole step and would rescale that too. Attach it to "
+                "optimizer.optimizer"
+            )
         self._refuse_a_second_one(target)
         self._check_optimizer(target)
         handle = target.register_step_pre_hook(self._pre_step)
@@ -714,6 +733,7 @@ class GradientHook(Generic[S]):
                 loss = closure()
         jobs: list[_Job[S] | None] = []
         skipped: list[Tensor] = []
+        with_grad: list[Tensor] = []
         for index, (group, settings) in enumerate(
             zip(optimizer.param_groups, settings_of, strict=True)
         ):
@@ -731,11 +751,13 @@ class GradientHook(Generic[S]):
                 jobs.append(None)
             else:
                 jobs.append(_Job(settings, params, _namer(index, positions), group.get("lr")))
+            with_grad.extend(params)
         with torch.no_grad():
             self._before_step_(optimizer, jobs, skipped)
         if closure is None:
             return None
-        kwargs["closure"] = _SingleUseClosure(loss, optimizer, name)
+        watched = [] if torch.compiler.is_compiling() else with_grad
+        kwargs["closure"] = _SingleUseClosure(loss, optimizer, name, watched)
         return args, kwargs
 
     def _before_step_(
@@ -796,16 +818,36 @@ class _HookPair(RemovableHandle):
 
 
 class _SingleUseClosure:
-    """Hands the optimizer the loss of a closure the hook already evaluated."""
+    """Hands the optimizer the loss of a closure the hook already evaluated.
 
-    def __init__(self, loss: Any, optimizer: torch.optim.Optimizer, hook_name: str) -> None:
+    The gradients of that evaluation are the ones the hook rewrote: an optimizer that moves
+    the parameters before calling its closure (SAM's two passes) expects new gradients, and
+    would silently step with none. ``params`` (the parameters with a gradient) are watched
+    through their version counters, which every in-place change bumps.
+    """
+
+    def __init__(
+        self, loss: Any, optimizer: torch.optim.Optimizer, hook_name: str, params: list[Tensor]
+    ) -> None:
         self._loss = loss
         self._optimizer_name = type(optimizer).__name__
         self._hook_name = hook_name
         self._calls = 0
+        self._params = params
+        self._versions = compat.versions(params)
 
     def __call__(self) -> Any:
         self._calls += 1
+        if compat.versions(self._params) != self._versions:
+            raise RuntimeError(
+                f"{self._optimizer_name} changed the parameters and then called its closure "
+                f"(as SAM-style optimizers do); {self._hook_name} evaluated that closure before "
+                "the step, when torch runs step pre-hooks, so the loss it returns comes with no "
+                f"gradients at the new parameters. The parameters are left where "
+                f"{self._optimizer_name} moved them. Attach {self._hook_name} to the optimizer "
+                "that takes the final step with those gradients (a SAM-style optimizer's "
+                "base_optimizer)"
+            )
         if self._calls > 1:
             raise RuntimeError(
                 f"{self._optimizer_name} called its closure more than once in one step; "

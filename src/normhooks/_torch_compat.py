@@ -230,6 +230,15 @@ def step_pre_hooks(optimizer: torch.optim.Optimizer) -> list[tuple[int, object]]
     return [] if hooks is None else list(hooks.items())
 
 
+def versions(tensors: list[Tensor]) -> list[int]:
+    """The version counters of ``tensors`` (``Tensor._version``: 2.11, 2.13).
+
+    Every in-place change of a tensor (``add_``, ``copy_``, an optimizer's update) bumps its
+    counter; reading it is a host-side integer, never a device sync.
+    """
+    return [tensor._version for tensor in tensors]
+
+
 def fsdp1_possible() -> bool:
     """Whether FSDP1 (``torch.distributed.fsdp.FullyShardedDataParallel``) may have run.
 
