@@ -636,11 +636,15 @@ class GradientHook(Generic[S]):
                     )
 
     def _check_optimizer(self, optimizer: torch.optim.Optimizer) -> list[S | None]:
-        """Every param group's settings (None where it opts out), after checking its params."""
+        """Every param group's settings (None where it opts out), after checking the params
+        of the groups that take part; a group that opts out is left alone, params and all."""
         settings_of = []
         seen: dict[int, tuple[int, int]] = {}
         for index, group in enumerate(optimizer.param_groups):
-            settings_of.append(self._group_settings(optimizer, group, index))
+            settings = self._group_settings(optimizer, group, index)
+            settings_of.append(settings)
+            if settings is None:
+                continue
             for position, param in enumerate(group["params"]):
                 if not isinstance(param, Tensor) or param.dtype not in _SUPPORTED_DTYPES:
                     check_param(
@@ -737,6 +741,12 @@ class GradientHook(Generic[S]):
         for index, (group, settings) in enumerate(
             zip(optimizer.param_groups, settings_of, strict=True)
         ):
+            if settings is None:
+                params = [param for param in group["params"] if param.grad is not None]
+                skipped.extend(params)
+                jobs.append(None)
+                with_grad.extend(params)
+                continue
             params, positions = [], []
             for position, param in enumerate(group["params"]):
                 if param.grad is not None:
@@ -746,11 +756,7 @@ class GradientHook(Generic[S]):
                         )
                     params.append(param)
                     positions.append(position)
-            if settings is None:
-                skipped.extend(params)
-                jobs.append(None)
-            else:
-                jobs.append(_Job(settings, params, _namer(index, positions), group.get("lr")))
+            jobs.append(_Job(settings, params, _namer(index, positions), group.get("lr")))
             with_grad.extend(params)
         with torch.no_grad():
             self._before_step_(optimizer, jobs, skipped)
@@ -785,13 +791,21 @@ class GradientHook(Generic[S]):
     def _unscale_skipped_(
         self, params: list[Tensor], grad_scale: Tensor, found_inf: Tensor | None
     ) -> None:
-        """Unscales the gradients the technique left alone, since the step will not."""
+        """Unscales the gradients the technique left alone, since the step will not.
+
+        As ``GradScaler.unscale_`` does: a sparse gradient's values are unscaled (float16 ones
+        coalesced first, so that values summed there are checked for overflow).
+        """
         groups: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
         dtensor = compat.dtensor_type()
         for param in params:
             grad: Any = param.grad
             if dtensor is not None and isinstance(grad, dtensor):
                 grad = grad.to_local()
+            if grad.is_sparse:
+                if grad.dtype == torch.float16:
+                    param.grad = grad = grad.coalesce()
+                grad = compat.sparse_values(grad)
             groups.setdefault((grad.device, grad.dtype), []).append(grad)
         for (device, _), grads in groups.items():
             flag = torch.zeros((), dtype=torch.float32, device=device)

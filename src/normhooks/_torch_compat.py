@@ -239,6 +239,14 @@ def versions(tensors: list[Tensor]) -> list[int]:
     return [tensor._version for tensor in tensors]
 
 
+def sparse_values(tensor: Tensor) -> Tensor:
+    """The values of a sparse COO tensor, coalesced or not, as a dense view (2.11, 2.13).
+
+    ``Tensor._values`` is what ``GradScaler`` unscales in place for a sparse gradient.
+    """
+    return tensor._values()
+
+
 def fsdp1_possible() -> bool:
     """Whether FSDP1 (``torch.distributed.fsdp.FullyShardedDataParallel``) may have run.
 
