@@ -151,6 +151,43 @@ def check_dense_grad(param: Tensor, where: str, technique: str) -> None:
         )
 
 
+_USE_FSDP2 = (
+    "Shard with FSDP2 instead (torch.distributed.fsdp.fully_shard), whose DTensor parameters "
+    "the hooks serve exactly: in Lightning, ModelParallelStrategy with fully_shard in "
+    "configure_model; in accelerate, FullyShardedDataParallelPlugin(fsdp_version=2); in the HF "
+    'Trainer, fsdp_config={"version": 2}. No gradient or parameter was changed'
+)
+
+
+def check_not_flattened(param: Tensor, where: str, technique: str) -> None:
+    """Refuses FSDP1's and DeepSpeed ZeRO-3's flattened parameters, whose norms are wrong.
+
+    Only called while FSDP1 or DeepSpeed is imported (``compat.fsdp1_possible``,
+    ``compat.deepspeed_possible``): before that no tensor can be one.
+    """
+    flattening = compat.fsdp1_flattening(param)
+    if flattening == "flat":
+        raise ValueError(
+            f"{where} is a FlatParameter of FSDP1 (FullyShardedDataParallel with "
+            "use_orig_params=False): one flat tensor holding pieces of every parameter of a "
+            f"wrapped module, while {technique} needs the norm of each parameter. " + _USE_FSDP2
+        )
+    if flattening == "original":
+        raise ValueError(
+            f"{where} is a parameter of a module wrapped by FSDP1 (FullyShardedDataParallel "
+            "with use_orig_params=True), a view into FSDP1's flat shard: on more than one rank "
+            "each holds a flattened piece of it, whose norm is not the parameter's, and "
+            f"{technique} cannot tell which ranks hold the rest. " + _USE_FSDP2
+        )
+    if compat.deepspeed_partitioned(param):
+        raise ValueError(
+            f"{where} is partitioned by DeepSpeed ZeRO-3 (it carries a ds_id): each rank holds "
+            f"a flat piece of it, or of many parameters, while {technique} needs the norm of "
+            "each parameter. Use DDP or FSDP2 (torch.distributed.fsdp.fully_shard), or "
+            "DeepSpeed without ZeRO. No gradient or parameter was changed"
+        )
+
+
 def check_foreach(foreach: object) -> bool | None:
     if foreach is not None and not isinstance(foreach, bool):
         raise TypeError(f"foreach must be a bool or None, got foreach={foreach!r}")
@@ -383,10 +420,13 @@ def apply_to_parameters_(
             f"got {type(parameters).__name__}"
         )
     check_foreach(foreach)
+    foreign = compat.fsdp1_possible() or compat.deepspeed_possible()
     with_grad, names = [], []
     for index, param in enumerate(parameters):
         where = f"parameters[{index}]"
         check_param(param, where, technique)
+        if foreign:
+            check_not_flattened(param, where, technique)
         check_dense_grad(param, where, technique)
         if param.grad is not None:
             with_grad.append(param)
@@ -559,6 +599,16 @@ class GradientHook(Generic[S]):
         name = type(self).__name__
         target = _unwrap(optimizer)
         if not isinstance(target, torch.optim.Optimizer):
+            if compat.is_deepspeed(target):
+                raise TypeError(
+                    f"optimizer is DeepSpeed's {type(target).__name__}, not a "
+                    "torch.optim.Optimizer: DeepSpeed's ZeRO and fp16/bf16 optimizers step "
+                    "flat tensors that hold pieces of many parameters, so the norms "
+                    f"{name} needs do not exist there, and attaching to the torch optimizer "
+                    "inside it (its .optimizer) would be silently wrong. Use DDP or FSDP2 "
+                    "(torch.distributed.fsdp.fully_shard), or DeepSpeed without ZeRO and "
+                    "without its fp16/bf16 modes, where the engine steps your own optimizer"
+                )
             raise TypeError(
                 f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}"
             )
@@ -640,6 +690,7 @@ class GradientHook(Generic[S]):
         of the groups that take part; a group that opts out is left alone, params and all."""
         settings_of = []
         seen: dict[int, tuple[int, int]] = {}
+        foreign = compat.fsdp1_possible() or compat.deepspeed_possible()
         for index, group in enumerate(optimizer.param_groups):
             settings = self._group_settings(optimizer, group, index)
             settings_of.append(settings)
@@ -648,6 +699,10 @@ class GradientHook(Generic[S]):
             for position, param in enumerate(group["params"]):
                 if not isinstance(param, Tensor) or param.dtype not in _SUPPORTED_DTYPES:
                     check_param(
+                        param, f"parameter {position} of param group {index}", self.technique
+                    )
+                if foreign:
+                    check_not_flattened(
                         param, f"parameter {position} of param group {index}", self.technique
                     )
                 first = seen.setdefault(id(param), (index, position))

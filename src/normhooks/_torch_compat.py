@@ -287,8 +287,8 @@ def deepspeed_partitioned(tensor: Tensor) -> bool:
     return getattr(tensor, "ds_id", None) is not None
 
 
-def deepspeed_class(obj: object) -> type | None:
-    """The first class of ``obj``'s MRO defined in a ``deepspeed`` module, or None.
+def is_deepspeed(obj: object) -> bool:
+    """Whether a class in ``obj``'s MRO is defined in a ``deepspeed`` module.
 
     DeepSpeed's ZeRO and fp16/bf16 optimizers (``DeepSpeedZeroOptimizer``,
     ``DeepSpeedZeroOptimizer_Stage3``, ``BF16_Optimizer``, ``FP16_Optimizer``) derive from
@@ -297,5 +297,5 @@ def deepspeed_class(obj: object) -> type | None:
     for cls in type(obj).__mro__:
         module = getattr(cls, "__module__", "") or ""
         if module == "deepspeed" or module.startswith("deepspeed."):
-            return cls
-    return None
+            return True
+    return False
