@@ -30,6 +30,7 @@ finite, and never reads a tensor value back to the host.
 
 from __future__ import annotations
 
+import math
 import warnings
 import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -48,17 +49,13 @@ __all__ = [
     "UnitFunction",
     "apply_to_parameters_",
     "euclidean_norms",
+    "row_norms",
     "sum_over_shards",
 ]
 
 S = TypeVar("S")
 S_contra = TypeVar("S_contra", contravariant=True)
 Lr = float | Tensor | None
-
-# Sums of squares of tensors at least this large run as one BLAS dot each on the CPU, which is
-# about twice as fast there as the reduction behind ``torch._foreach_norm``; smaller tensors
-# are dispatch-bound and go through ``_foreach_norm`` in one call.
-_CPU_DOT_MIN_NUMEL = 1 << 15
 
 
 class UnitFunction(Protocol[S_contra]):
@@ -78,11 +75,22 @@ class UnitFunction(Protocol[S_contra]):
     ) -> Tensor: ...
 
 
+# torch's CPU reductions (2.13) sum a float32 tensor in a few float32 partial sums, whose
+# error grows with their length: for 2**20 equal values the norm is off by 4e-4 (3e-5 for a
+# BLAS dot), for 1e8 by 4e-2. Reduced in rows of _CPU_ROW values, whose float64 sums of
+# squares are then added, it stays within 1e-6 of float64; tensors of at most _CPU_SHORT
+# values, within 3e-6, keep the one multi-tensor call.
+_CPU_ROW = 1024
+_CPU_SHORT = 4096
+
+
 def euclidean_norms(tensors: list[Tensor], foreach: bool | None = None) -> Tensor:
     """Euclidean norms of ``tensors`` (one device and dtype), accumulated in at least float32.
 
-    ``foreach=False`` takes one norm per tensor; ``True`` one multi-tensor call; ``None`` the
-    fastest measured mix (on the CPU, large tensors as one dot each).
+    ``foreach=False`` takes one norm per tensor; True or None one multi-tensor call, except
+    on the CPU, where tensors of more than ``_CPU_SHORT`` float32/float16/bfloat16 values are
+    reduced row by row (rows of ``_CPU_ROW`` values) and added in float64, whatever
+    ``foreach`` is: a single float32 reduction of a long tensor is not precise.
 
     Example:
         >>> euclidean_norms([torch.full((2, 2), 1.5), torch.tensor([3.0, 4.0])])
@@ -91,22 +99,81 @@ def euclidean_norms(tensors: list[Tensor], foreach: bool | None = None) -> Tenso
     dtype = tensors[0].dtype
     acc = compute_dtype(dtype)
     upcast = acc if acc != dtype else None
+    if tensors[0].device.type == "cpu" and acc == torch.float32:
+        return _cpu_norms(tensors, upcast, foreach)
     if foreach is False:
         return torch.stack([torch.linalg.vector_norm(t, dtype=upcast) for t in tensors])
-    if foreach or tensors[0].device.type != "cpu" or upcast is not None:
+    return torch.stack(compat.foreach_norm(tensors, dtype=upcast))
+
+
+def _cpu_norms(tensors: list[Tensor], upcast: torch.dtype | None, foreach: bool | None) -> Tensor:
+    """:func:`euclidean_norms` of float32/float16/bfloat16 CPU tensors, in float32."""
+    long = [i for i, t in enumerate(tensors) if t.numel() > _CPU_SHORT]
+    if not long:
+        if foreach is False:
+            return torch.stack([torch.linalg.vector_norm(t, dtype=upcast) for t in tensors])
         return torch.stack(compat.foreach_norm(tensors, dtype=upcast))
-    big = [i for i, t in enumerate(tensors) if t.numel() >= _CPU_DOT_MIN_NUMEL]
-    if not big:
-        return torch.stack(compat.foreach_norm(tensors))
     out = [torch.empty(0)] * len(tensors)
-    for i in big:
-        flat = tensors[i].reshape(-1)
-        out[i] = torch.dot(flat, flat).sqrt_()
-    small = [i for i, t in enumerate(tensors) if t.numel() < _CPU_DOT_MIN_NUMEL]
-    if small:
-        for i, norm in zip(small, compat.foreach_norm([tensors[i] for i in small]), strict=True):
+    short = [i for i, t in enumerate(tensors) if t.numel() <= _CPU_SHORT]
+    if short:
+        picked = [tensors[i] for i in short]
+        norms = (
+            [torch.linalg.vector_norm(t, dtype=upcast) for t in picked]
+            if foreach is False
+            else compat.foreach_norm(picked, dtype=upcast)
+        )
+        for i, norm in zip(short, norms, strict=True):
             out[i] = norm
+    for i, norm in zip(long, _long_norms([tensors[i] for i in long], upcast), strict=True):
+        out[i] = norm
     return torch.stack(out)
+
+
+def _long_norms(tensors: list[Tensor], upcast: torch.dtype | None) -> list[Tensor]:
+    """Norms of long CPU tensors: float32 norms of rows of ``_CPU_ROW`` values (and of the
+    tail), whose squares are summed per tensor in float64 with one ``index_add_``."""
+    parts, rows = [], []
+    for tensor in tensors:
+        flat = tensor.reshape(-1)
+        whole = flat.numel() // _CPU_ROW * _CPU_ROW
+        parts.append(torch.linalg.vector_norm(flat[:whole].view(-1, _CPU_ROW), dim=1, dtype=upcast))
+        count = whole // _CPU_ROW
+        if whole < flat.numel():
+            parts.append(torch.linalg.vector_norm(flat[whole:], dtype=upcast).reshape(1))
+            count += 1
+        rows.append(count)
+    squares = torch.cat(parts).double().square()
+    owner = torch.repeat_interleave(
+        torch.arange(len(tensors)), torch.tensor(rows), output_size=squares.numel()
+    )
+    sums = torch.zeros(len(tensors), dtype=torch.float64).index_add_(0, owner, squares)
+    return list(sums.sqrt().float().unbind(0))
+
+
+def row_norms(tensor: Tensor) -> Tensor:
+    """The Euclidean norm of each row along dim 0 of a tensor with at least two dimensions,
+    in its compute dtype; on the CPU, rows longer than ``_CPU_SHORT`` are reduced in pieces
+    of ``_CPU_ROW`` values added in float64, as in :func:`euclidean_norms`.
+
+    Example:
+        >>> row_norms(torch.tensor([[3.0, 4.0], [0.0, 1.0]]))
+        tensor([5., 1.])
+    """
+    acc = compute_dtype(tensor.dtype)
+    count, length = tensor.shape[0], math.prod(tensor.shape[1:])
+    norms: Tensor
+    if tensor.device.type != "cpu" or acc != torch.float32 or length <= _CPU_SHORT:
+        norms = torch.linalg.vector_norm(tensor, dim=tuple(range(1, tensor.ndim)), dtype=acc)
+        return norms
+    rows = tensor.reshape(count, length)
+    whole = length // _CPU_ROW * _CPU_ROW
+    pieces = rows[:, :whole].reshape(count, -1, _CPU_ROW)
+    squares = torch.linalg.vector_norm(pieces, dim=2, dtype=acc).double().square().sum(1)
+    if whole < length:
+        tail = torch.linalg.vector_norm(rows[:, whole:], dim=1, dtype=acc)
+        squares = squares + tail.double().square()
+    norms = squares.sqrt().to(acc)
+    return norms
 
 
 def inverse_scale(grad_scale: Tensor, device: torch.device) -> Tensor:
@@ -508,17 +575,26 @@ class GradientHook(Generic[S]):
 
     What the base does, the same for every technique:
 
-    - :meth:`attach` registers the hook with ``register_step_pre_hook`` and returns the
-      :class:`~torch.utils.hooks.RemovableHandle`. LBFGS is refused (it evaluates its closure
-      many times per step), and so is a second hook of the same class on one optimizer (it
-      would apply the technique twice).
-    - Every param group and parameter is checked when attaching and again before each step
-      (groups may be added later), with one function, before anything changes.
+    - :meth:`attach` unwraps accelerate's and Lightning's optimizer wrappers, registers the
+      hook with ``register_step_pre_hook`` and returns the
+      :class:`~torch.utils.hooks.RemovableHandle`. Refused: LBFGS (it evaluates its closure
+      many times per step); optimizers that step a ``base_optimizer`` (SAM and its kin: the
+      hook belongs on ``base_optimizer``); for a technique with a post-step, optimizers that
+      step the one they hold in ``.optimizer`` (Lookahead); DeepSpeed's optimizers; and a
+      second hook of the same technique in the optimizer's step-hook dict or in that of an
+      optimizer it wraps (it would apply the technique twice).
+    - Every param group that takes part, and its parameters, is checked when attaching and
+      again before each step (groups may be added later), with one function, before anything
+      changes; a group that opts out is left alone. FSDP1's flattened parameters and
+      DeepSpeed ZeRO-3's partitions are refused: their norms are not the parameters'.
     - ``step(closure)``: the hook evaluates the closure itself, rewrites the fresh gradients
-      and hands the optimizer a closure that returns that loss once.
+      and hands the optimizer a closure that returns that loss once, and raises if the
+      optimizer calls it after changing the parameters (SAM's second pass would get no
+      gradients).
     - Parameters are grouped per param group, device, dtype and sharding; DTensor parameters
       (FSDP2, HSDP, tensor parallel) get the norms of their full tensors, with one all-reduce
-      per sharded mesh dimension for all of them.
+      per sharded mesh dimension for all of them. On the CPU, long tensors are reduced in
+      rows whose sums of squares are added in float64 (:func:`euclidean_norms`).
     - AMP with a fused optimizer: ``GradScaler.step`` sets ``optimizer.grad_scale`` and
       ``optimizer.found_inf`` and leaves the gradients scaled, for the fused step to unscale.
       The hook then computes from the scaled gradients divided by the scale, in float32, and
@@ -529,8 +605,8 @@ class GradientHook(Generic[S]):
       hook's result, not in the scaled gradients, so the scaler does not lower its scale for
       it.) This is GradScaler's private protocol, reached through ``_torch_compat``. Ordinary
       optimizers under GradScaler see unscaled gradients and need none of it.
-    - ``foreach``: None picks the fastest multi-tensor mix, True forces ``torch._foreach_*``
-      ops, False takes one tensor at a time (for tensor types the multi-tensor ops refuse).
+    - ``foreach``: None and True take ``torch._foreach_*`` ops, False one tensor at a time
+      (for tensor types the multi-tensor ops refuse).
     - Nothing is read back to the host: the hook traces under ``torch.compile(fullgraph=True)``.
     - A technique on the update instead of the gradients overrides ``_before_step_`` and
       ``_after_step`` (a step post-hook, registered next to the pre-hook); everything above
