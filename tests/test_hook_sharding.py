@@ -215,3 +215,20 @@ def test_zero3_partitions_filled_in_at_the_step_are_refused_before_any_change() 
     ):
         optimizer.step()
     torch.testing.assert_close(other.grad, torch.ones(3, 3), rtol=0, atol=0)
+
+
+def test_the_hook_traces_without_graph_breaks_while_fsdp1_is_imported() -> None:
+    """The marks' cheap pre-test reads ``vars``, which torch.compile cannot trace."""
+    # FSDP2's fully_shard lives in the package that imports FSDP1's module too.
+    import torch.distributed.fsdp
+
+    torch._dynamo.reset()
+    params = [nn.Parameter(torch.full((3, 4), 2.0)), nn.Parameter(torch.full((4,), 1.0))]
+    params[0].tag = "an attribute of the user's"  # type: ignore[attr-defined]
+    for param in params:
+        param.grad = torch.ones_like(param)
+    optimizer = torch.optim.SGD(params, lr=0.1)
+    hook = GradientLARS(eps=0.0)
+    hook.attach(optimizer)
+    torch.compile(hook._pre_step, backend="aot_eager", fullgraph=True)(optimizer, (optimizer,), {})
+    torch.testing.assert_close(hook.last_rates[0], torch.tensor([2.0, 1.0]))

@@ -492,7 +492,7 @@ def apply_to_parameters_(
     for index, param in enumerate(parameters):
         where = f"parameters[{index}]"
         check_param(param, where, technique)
-        if foreign:
+        if foreign and compat.may_carry_marks(param):
             check_not_flattened(param, where, technique)
         check_dense_grad(param, where, technique)
         if param.grad is not None:
@@ -777,7 +777,7 @@ class GradientHook(Generic[S]):
                     check_param(
                         param, f"parameter {position} of param group {index}", self.technique
                     )
-                if foreign:
+                if foreign and compat.may_carry_marks(param):
                     check_not_flattened(
                         param, f"parameter {position} of param group {index}", self.technique
                     )

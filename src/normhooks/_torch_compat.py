@@ -263,7 +263,7 @@ def fsdp1_flattening(tensor: Tensor) -> str | None:
     ``_is_flat_param`` (which ``isinstance(t, FlatParameter)`` reads) and with
     ``_fsdp_flattened`` (``_common_utils.FSDP_FLATTENED``); with ``use_orig_params=True`` it
     marks the original parameters it flattens with ``_fsdp_flattened`` too, and leaves each
-    of them a view of this rank's piece of the flat shard.
+    of them a view of this rank's piece of the flat shard. Both are instance attributes.
     """
     if getattr(tensor, "_is_flat_param", False):
         return "flat"
@@ -281,10 +281,17 @@ def deepspeed_partitioned(tensor: Tensor) -> bool:
     """Whether ``tensor`` is a ZeRO-3 parameter or partition of DeepSpeed (checked on its source).
 
     ZeRO-3 gives every parameter it partitions an integer ``ds_id`` (with ``ds_status``,
-    ``ds_tensor``, ``ds_shape``, ...), and its flat fp32 partitions an ``ds_id`` as well
+    ``ds_tensor``, ``ds_shape``, ...), and its flat fp32 partitions a ``ds_id`` as well
     (``deepspeed/runtime/zero/partition_parameters.py``, ``stage3.py``).
     """
     return getattr(tensor, "ds_id", None) is not None
+
+
+def may_carry_marks(tensor: Tensor) -> bool:
+    """Whether ``tensor`` may carry FSDP1's or DeepSpeed's marks, which are attributes set on
+    the tensor itself: most tensors have none, and an empty ``__dict__`` is a cheap test.
+    (``torch.compile`` cannot trace ``vars``; there the marks are read one by one.)"""
+    return torch.compiler.is_compiling() or bool(vars(tensor))
 
 
 def is_deepspeed(obj: object) -> bool:
