@@ -104,6 +104,7 @@ def test_a_hook_dict_shared_by_an_unknown_wrapper_is_refused_too() -> None:
         AdaptiveGradientClipping().attach(optimizer)
 
 
+@pytest.mark.filterwarnings("ignore:`isinstance\\(treespec, LeafSpec\\)` is deprecated")
 def test_lightning_trainer_with_the_hook_attached_through_optimizers() -> None:
     """A real Trainer: the hook attached to ``self.optimizers()`` in ``on_train_start``
     trains as plain SGD with the LARS rates written by hand."""

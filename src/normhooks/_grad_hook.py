@@ -672,12 +672,27 @@ class GradientHook(Generic[S]):
             The handle of the registered pre-hook; for a technique with a post-step, one
             handle whose ``remove()`` removes both hooks.
         """
+        target = self._optimizer_to_hook(optimizer)
+        self._refuse_a_second_one(target)
+        self._check_optimizer(target)
+        handle = target.register_step_pre_hook(self._pre_step)
+        if self._has_post_step():
+            handle = _HookPair(handle, target.register_step_post_hook(self._after_step))
+        return handle
+
+    @classmethod
+    def _has_post_step(cls) -> bool:
+        return cls._after_step is not GradientHook._after_step
+
+    def _optimizer_to_hook(self, given: object) -> torch.optim.Optimizer:
+        """``given`` unwrapped, after refusing the optimizers whose step the hook cannot
+        serve."""
         name = type(self).__name__
-        target = _unwrap(optimizer)
-        if not isinstance(target, torch.optim.Optimizer):
-            if compat.is_deepspeed(target):
+        optimizer = _unwrap(given)
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            if compat.is_deepspeed(optimizer):
                 raise TypeError(
-                    f"optimizer is DeepSpeed's {type(target).__name__}, not a "
+                    f"optimizer is DeepSpeed's {type(optimizer).__name__}, not a "
                     "torch.optim.Optimizer: DeepSpeed's ZeRO and fp16/bf16 optimizers step "
                     "flat tensors that hold pieces of many parameters, so the norms "
                     f"{name} needs do not exist there, and attaching to the torch optimizer "
@@ -686,38 +701,33 @@ class GradientHook(Generic[S]):
                     "without its fp16/bf16 modes, where the engine steps your own optimizer"
                 )
             raise TypeError(
-                f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}"
+                f"optimizer must be a torch.optim.Optimizer, got {type(given).__name__}"
             )
-        if isinstance(target, torch.optim.LBFGS):
+        if isinstance(optimizer, torch.optim.LBFGS):
             raise TypeError(
                 f"{name} cannot be attached to LBFGS: LBFGS evaluates its closure many times "
                 "per step, and the hook can only rewrite the gradients of one evaluation"
             )
-        base = getattr(target, "base_optimizer", None)
-        if isinstance(base, torch.optim.Optimizer) and base is not target:
+        base = getattr(optimizer, "base_optimizer", None)
+        if isinstance(base, torch.optim.Optimizer) and base is not optimizer:
             raise TypeError(
-                f"{name} cannot be attached to {type(target).__name__}, which steps a "
+                f"{name} cannot be attached to {type(optimizer).__name__}, which steps a "
                 f"base_optimizer ({type(base).__name__}): like SAM, it moves the parameters, "
                 "evaluates its closure there and then has base_optimizer step with those "
                 f"gradients, which the hook would never see. Attach {name} to "
                 "optimizer.base_optimizer: its step takes exactly those gradients, at the "
                 "restored parameters"
             )
-        inner = _wrapped(target)
-        if inner and type(self)._after_step is not GradientHook._after_step:
+        inner = _wrapped(optimizer)
+        if inner and self._has_post_step():
             raise TypeError(
-                f"{name} cannot be attached to {type(target).__name__}, which steps the "
+                f"{name} cannot be attached to {type(optimizer).__name__}, which steps the "
                 f"{type(inner[0]).__name__} it wraps (its .optimizer) and may move the "
                 f"parameters itself (as Lookahead does): {name} rescales the change of the "
                 "parameters over the whole step and would rescale that too. Attach it to "
                 "optimizer.optimizer"
             )
-        self._refuse_a_second_one(target)
-        self._check_optimizer(target)
-        handle = target.register_step_pre_hook(self._pre_step)
-        if type(self)._after_step is not GradientHook._after_step:
-            handle = _HookPair(handle, target.register_step_post_hook(self._after_step))
-        return handle
+        return optimizer
 
     def _refuse_a_second_one(self, optimizer: torch.optim.Optimizer) -> None:
         """Raises if a hook of this technique is on ``optimizer``'s hook dict already, or on
