@@ -1,4 +1,5 @@
-"""DDP and FSDP2 on real process groups: 2 gloo ranks against one process on full batches.
+"""DDP and FSDP2 on real process groups: 2 gloo ranks against one process on full batches;
+FSDP1, which the hooks refuse, on the same ranks.
 
 The ranks run tests/distributed_worker.py; each scenario is spawned once per session and its
 saved results are checked here, one behaviour per test.

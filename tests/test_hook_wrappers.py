@@ -191,22 +191,27 @@ def test_a_second_hook_through_accelerates_optimizer_is_refused(accelerator: Any
 # --- optimizers that wrap another one --------------------------------------------------------
 
 
-@pytest.mark.parametrize("inner_first", [True, False], ids=["inner-first", "outer-first"])
-def test_the_technique_on_lookahead_and_on_the_optimizer_it_wraps_is_refused(
-    inner_first: bool,
-) -> None:
+def test_the_technique_on_lookahead_after_its_optimizer_is_refused_at_attach() -> None:
     """Lookahead's step steps its ``.optimizer``: a hook on each would scale twice."""
+    from pytorch_optimizer import Lookahead
+
+    inner = torch.optim.SGD(make_model().parameters(), lr=LR)
+    outer = Lookahead(inner, k=2)
+    GradientLARS().attach(inner)
+    with pytest.raises(RuntimeError, match="the two would apply LARS twice"):
+        GradientLARS().attach(outer)
+
+
+def test_the_technique_on_lookaheads_optimizer_after_lookahead_is_refused_at_the_step() -> None:
+    """Attaching to the inner optimizer cannot see the outer one: the outer hook's step does,
+    before any gradient changes."""
     from pytorch_optimizer import Lookahead
 
     model = make_model()
     inner = torch.optim.SGD(model.parameters(), lr=LR)
     outer = Lookahead(inner, k=2)
-    GradientLARS().attach(inner if inner_first else outer)
-    if inner_first:
-        with pytest.raises(RuntimeError, match="the two would apply LARS twice"):
-            GradientLARS().attach(outer)
-        return
-    GradientLARS().attach(inner)  # not visible from the inner optimizer: refused at the step
+    GradientLARS().attach(outer)
+    GradientLARS().attach(inner)
     loss_of(model, batches(1)[0]).backward()
     grads = [p.grad.clone() for p in model.parameters()]
     with pytest.raises(RuntimeError, match="is attached to the SGD that Lookahead wraps"):
