@@ -463,12 +463,56 @@ def fsdp_trust_ratio(rank: int, world: int, out: Path) -> dict[str, Any]:
     return train_trust_ratio(model, batches, lambda t: half(t, rank, world), count)
 
 
+def fsdp1(rank: int, world: int, out: Path) -> dict[str, Any]:
+    """What the hooks say to FSDP1 (FullyShardedDataParallel), each layer its own unit.
+
+    Before the refusal, LARS computed one rate over each rank's piece of the flat parameter
+    (use_orig_params=False) or over each rank's pieces of every parameter (True).
+    """
+    from torch.distributed.fsdp import FullyShardedDataParallel
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    results: dict[str, Any] = {}
+    for use_orig_params in (False, True):
+        model = FullyShardedDataParallel(
+            make_mlp(),
+            auto_wrap_policy=ModuleWrapPolicy({nn.Linear}),
+            use_orig_params=use_orig_params,
+            device_id=torch.device("cpu"),
+        )
+        mode = "orig" if use_orig_params else "flat"
+        for name, hook in (
+            ("lars", GradientLARS),
+            ("agc", AdaptiveGradientClipping),
+            ("trust", TrustRatio),
+        ):
+            optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+            results[f"{mode}_{name}"] = refused(lambda h=hook, o=optimizer: h().attach(o))
+            results[f"{mode}_{name}_hooks"] = len(optimizer._optimizer_step_pre_hooks)
+        _, batches = data()
+        x, y = batches[0]
+        F.mse_loss(model(half(x, rank, world)), half(y, rank, world)).backward()
+        results[f"{mode}_functional"] = refused(lambda m=model: lars_(m.parameters()))
+        # Param groups can change: the step refuses them too, before any gradient changes.
+        optimizer = torch.optim.SGD([nn.Parameter(torch.ones(2, 2))], lr=LR)
+        GradientLARS().attach(optimizer)
+        optimizer.add_param_group({"params": list(model.parameters())})
+        grads = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+        results[f"{mode}_step"] = refused(optimizer.step)
+        after = [p.grad for p in model.parameters() if p.grad is not None]
+        results[f"{mode}_step_unchanged"] = all(
+            torch.equal(a, b) for a, b in zip(grads, after, strict=True)
+        )
+    return results
+
+
 SCENARIOS: dict[str, Callable[[int, int, Path], dict[str, Any]]] = {
     "ddp": ddp,
     "fsdp": fsdp,
     "fsdp_mesh_per_call": fsdp_mesh_per_call,
     "fsdp_agc": fsdp_agc,
     "fsdp_trust_ratio": fsdp_trust_ratio,
+    "fsdp1": fsdp1,
 }
 
 

@@ -1,4 +1,5 @@
-"""DDP and FSDP2 on real process groups: 2 gloo ranks against one process on full batches.
+"""DDP and FSDP2 on real process groups: 2 gloo ranks against one process on full batches;
+FSDP1, which the hooks refuse, on the same ranks.
 
 The ranks run tests/distributed_worker.py; each scenario is spawned once per session and its
 saved results are checked here, one behaviour per test.
@@ -344,3 +345,42 @@ def test_trust_ratio_one_collective_per_step_under_fsdp2(
     """The norms of all four sharded layers (one mesh each) go in one all-reduce."""
     for rank in fsdp_trust_ratio:
         assert rank["collectives"] == [1] * worker.STEPS
+
+
+# --- FSDP1 (FullyShardedDataParallel): refused ------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def fsdp1(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    return spawn("fsdp1", tmp_path_factory.mktemp("fsdp1"))
+
+
+FSDP1_MESSAGES = {
+    "flat": "is a FlatParameter of FSDP1 (FullyShardedDataParallel with use_orig_params=False)",
+    "orig": "is a parameter of a module wrapped by FSDP1 (FullyShardedDataParallel with "
+    "use_orig_params=True)",
+}
+
+
+@pytest.mark.parametrize("mode", ["flat", "orig"], ids=["flat", "orig-params"])
+@pytest.mark.parametrize("hook", ["lars", "agc", "trust"])
+def test_fsdp1_is_refused_at_attach_on_every_rank(
+    hook: str, mode: str, fsdp1: list[dict[str, Any]]
+) -> None:
+    for rank in fsdp1:
+        message = rank[f"{mode}_{hook}"]
+        assert message.startswith(f"parameter 0 of param group 0 {FSDP1_MESSAGES[mode]}")
+        assert "Shard with FSDP2 instead (torch.distributed.fsdp.fully_shard)" in message
+        assert rank[f"{mode}_{hook}_hooks"] == 0
+
+
+@pytest.mark.parametrize("mode", ["flat", "orig"], ids=["flat", "orig-params"])
+def test_fsdp1_is_refused_by_the_functional_form_and_at_the_step(
+    mode: str, fsdp1: list[dict[str, Any]]
+) -> None:
+    for rank in fsdp1:
+        assert rank[f"{mode}_functional"].startswith(f"parameters[0] {FSDP1_MESSAGES[mode]}")
+        assert rank[f"{mode}_step"].startswith(
+            f"parameter 0 of param group 1 {FSDP1_MESSAGES[mode]}"
+        )
+        assert rank[f"{mode}_step_unchanged"]

@@ -30,6 +30,7 @@ finite, and never reads a tensor value back to the host.
 
 from __future__ import annotations
 
+import math
 import warnings
 import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -48,17 +49,13 @@ __all__ = [
     "UnitFunction",
     "apply_to_parameters_",
     "euclidean_norms",
+    "row_norms",
     "sum_over_shards",
 ]
 
 S = TypeVar("S")
 S_contra = TypeVar("S_contra", contravariant=True)
 Lr = float | Tensor | None
-
-# Sums of squares of tensors at least this large run as one BLAS dot each on the CPU, which is
-# about twice as fast there as the reduction behind ``torch._foreach_norm``; smaller tensors
-# are dispatch-bound and go through ``_foreach_norm`` in one call.
-_CPU_DOT_MIN_NUMEL = 1 << 15
 
 
 class UnitFunction(Protocol[S_contra]):
@@ -78,11 +75,22 @@ class UnitFunction(Protocol[S_contra]):
     ) -> Tensor: ...
 
 
+# torch's CPU reductions (2.13) sum a float32 tensor in a few float32 partial sums, whose
+# error grows with their length: for 2**20 equal values the norm is off by 4e-4 (3e-5 for a
+# BLAS dot), for 1e8 by 4e-2. Reduced in rows of _CPU_ROW values, whose float64 sums of
+# squares are then added, it stays within 1e-6 of float64; tensors of at most _CPU_SHORT
+# values, within 3e-6, keep the one multi-tensor call.
+_CPU_ROW = 1024
+_CPU_SHORT = 4096
+
+
 def euclidean_norms(tensors: list[Tensor], foreach: bool | None = None) -> Tensor:
     """Euclidean norms of ``tensors`` (one device and dtype), accumulated in at least float32.
 
-    ``foreach=False`` takes one norm per tensor; ``True`` one multi-tensor call; ``None`` the
-    fastest measured mix (on the CPU, large tensors as one dot each).
+    ``foreach=False`` takes one norm per tensor; True or None one multi-tensor call, except
+    on the CPU, where tensors of more than ``_CPU_SHORT`` float32/float16/bfloat16 values are
+    reduced row by row (rows of ``_CPU_ROW`` values) and added in float64, whatever
+    ``foreach`` is: a single float32 reduction of a long tensor is not precise.
 
     Example:
         >>> euclidean_norms([torch.full((2, 2), 1.5), torch.tensor([3.0, 4.0])])
@@ -91,22 +99,81 @@ def euclidean_norms(tensors: list[Tensor], foreach: bool | None = None) -> Tenso
     dtype = tensors[0].dtype
     acc = compute_dtype(dtype)
     upcast = acc if acc != dtype else None
+    if tensors[0].device.type == "cpu" and acc == torch.float32:
+        return _cpu_norms(tensors, upcast, foreach)
     if foreach is False:
         return torch.stack([torch.linalg.vector_norm(t, dtype=upcast) for t in tensors])
-    if foreach or tensors[0].device.type != "cpu" or upcast is not None:
+    return torch.stack(compat.foreach_norm(tensors, dtype=upcast))
+
+
+def _cpu_norms(tensors: list[Tensor], upcast: torch.dtype | None, foreach: bool | None) -> Tensor:
+    """:func:`euclidean_norms` of float32/float16/bfloat16 CPU tensors, in float32."""
+    long = [i for i, t in enumerate(tensors) if t.numel() > _CPU_SHORT]
+    if not long:
+        if foreach is False:
+            return torch.stack([torch.linalg.vector_norm(t, dtype=upcast) for t in tensors])
         return torch.stack(compat.foreach_norm(tensors, dtype=upcast))
-    big = [i for i, t in enumerate(tensors) if t.numel() >= _CPU_DOT_MIN_NUMEL]
-    if not big:
-        return torch.stack(compat.foreach_norm(tensors))
     out = [torch.empty(0)] * len(tensors)
-    for i in big:
-        flat = tensors[i].reshape(-1)
-        out[i] = torch.dot(flat, flat).sqrt_()
-    small = [i for i, t in enumerate(tensors) if t.numel() < _CPU_DOT_MIN_NUMEL]
-    if small:
-        for i, norm in zip(small, compat.foreach_norm([tensors[i] for i in small]), strict=True):
+    short = [i for i, t in enumerate(tensors) if t.numel() <= _CPU_SHORT]
+    if short:
+        picked = [tensors[i] for i in short]
+        norms = (
+            [torch.linalg.vector_norm(t, dtype=upcast) for t in picked]
+            if foreach is False
+            else compat.foreach_norm(picked, dtype=upcast)
+        )
+        for i, norm in zip(short, norms, strict=True):
             out[i] = norm
+    for i, norm in zip(long, _long_norms([tensors[i] for i in long], upcast), strict=True):
+        out[i] = norm
     return torch.stack(out)
+
+
+def _long_norms(tensors: list[Tensor], upcast: torch.dtype | None) -> list[Tensor]:
+    """Norms of long CPU tensors: float32 norms of rows of ``_CPU_ROW`` values (and of the
+    tail), whose squares are summed per tensor in float64 with one ``index_add_``."""
+    parts, rows = [], []
+    for tensor in tensors:
+        flat = tensor.reshape(-1)
+        whole = flat.numel() // _CPU_ROW * _CPU_ROW
+        parts.append(torch.linalg.vector_norm(flat[:whole].view(-1, _CPU_ROW), dim=1, dtype=upcast))
+        count = whole // _CPU_ROW
+        if whole < flat.numel():
+            parts.append(torch.linalg.vector_norm(flat[whole:], dtype=upcast).reshape(1))
+            count += 1
+        rows.append(count)
+    squares = torch.cat(parts).double().square()
+    owner = torch.repeat_interleave(
+        torch.arange(len(tensors)), torch.tensor(rows), output_size=squares.numel()
+    )
+    sums = torch.zeros(len(tensors), dtype=torch.float64).index_add_(0, owner, squares)
+    return list(sums.sqrt().float().unbind(0))
+
+
+def row_norms(tensor: Tensor) -> Tensor:
+    """The Euclidean norm of each row along dim 0 of a tensor with at least two dimensions,
+    in its compute dtype; on the CPU, rows longer than ``_CPU_SHORT`` are reduced in pieces
+    of ``_CPU_ROW`` values added in float64, as in :func:`euclidean_norms`.
+
+    Example:
+        >>> row_norms(torch.tensor([[3.0, 4.0], [0.0, 1.0]]))
+        tensor([5., 1.])
+    """
+    acc = compute_dtype(tensor.dtype)
+    count, length = tensor.shape[0], math.prod(tensor.shape[1:])
+    norms: Tensor
+    if tensor.device.type != "cpu" or acc != torch.float32 or length <= _CPU_SHORT:
+        norms = torch.linalg.vector_norm(tensor, dim=tuple(range(1, tensor.ndim)), dtype=acc)
+        return norms
+    rows = tensor.reshape(count, length)
+    whole = length // _CPU_ROW * _CPU_ROW
+    pieces = rows[:, :whole].reshape(count, -1, _CPU_ROW)
+    squares = torch.linalg.vector_norm(pieces, dim=2, dtype=acc).double().square().sum(1)
+    if whole < length:
+        tail = torch.linalg.vector_norm(rows[:, whole:], dim=1, dtype=acc)
+        squares = squares + tail.double().square()
+    norms = squares.sqrt().to(acc)
+    return norms
 
 
 def inverse_scale(grad_scale: Tensor, device: torch.device) -> Tensor:
@@ -148,6 +215,43 @@ def check_dense_grad(param: Tensor, where: str, technique: str) -> None:
             f"{where} has a {grad.layout} gradient; {technique} needs dense gradients "
             "(use sparse=False in nn.Embedding / nn.EmbeddingBag). No gradient or parameter "
             "was changed"
+        )
+
+
+_USE_FSDP2 = (
+    "Shard with FSDP2 instead (torch.distributed.fsdp.fully_shard), whose DTensor parameters "
+    "the hooks serve exactly: in Lightning, ModelParallelStrategy with fully_shard in "
+    "configure_model; in accelerate, FullyShardedDataParallelPlugin(fsdp_version=2); in the HF "
+    'Trainer, fsdp_config={"version": 2}. No gradient or parameter was changed'
+)
+
+
+def check_not_flattened(param: Tensor, where: str, technique: str) -> None:
+    """Refuses FSDP1's and DeepSpeed ZeRO-3's flattened parameters, whose norms are wrong.
+
+    Only called while FSDP1 or DeepSpeed is imported (``compat.fsdp1_possible``,
+    ``compat.deepspeed_possible``): before that no tensor can be one.
+    """
+    flattening = compat.fsdp1_flattening(param)
+    if flattening == "flat":
+        raise ValueError(
+            f"{where} is a FlatParameter of FSDP1 (FullyShardedDataParallel with "
+            "use_orig_params=False): one flat tensor holding pieces of every parameter of a "
+            f"wrapped module, while {technique} needs the norm of each parameter. " + _USE_FSDP2
+        )
+    if flattening == "original":
+        raise ValueError(
+            f"{where} is a parameter of a module wrapped by FSDP1 (FullyShardedDataParallel "
+            "with use_orig_params=True), a view into FSDP1's flat shard: on more than one rank "
+            "each holds a flattened piece of it, whose norm is not the parameter's, and "
+            f"{technique} cannot tell which ranks hold the rest. " + _USE_FSDP2
+        )
+    if compat.deepspeed_partitioned(param):
+        raise ValueError(
+            f"{where} is partitioned by DeepSpeed ZeRO-3 (it carries a ds_id): each rank holds "
+            f"a flat piece of it, or of many parameters, while {technique} needs the norm of "
+            "each parameter. Use DDP or FSDP2 (torch.distributed.fsdp.fully_shard), or "
+            "DeepSpeed without ZeRO. No gradient or parameter was changed"
         )
 
 
@@ -383,10 +487,13 @@ def apply_to_parameters_(
             f"got {type(parameters).__name__}"
         )
     check_foreach(foreach)
+    foreign = compat.fsdp1_possible() or compat.deepspeed_possible()
     with_grad, names = [], []
     for index, param in enumerate(parameters):
         where = f"parameters[{index}]"
         check_param(param, where, technique)
+        if foreign and compat.may_carry_marks(param):
+            check_not_flattened(param, where, technique)
         check_dense_grad(param, where, technique)
         if param.grad is not None:
             with_grad.append(param)
@@ -403,11 +510,61 @@ def apply_to_parameters_(
 
 # --- the hook ------------------------------------------------------------------------------
 
-# Which hook of each technique (by its prefix) is attached to an optimizer: two of one
-# technique would apply it twice, silently.
-_ATTACHED: weakref.WeakKeyDictionary[
-    torch.optim.Optimizer, dict[str, tuple[Any, RemovableHandle]]
-] = weakref.WeakKeyDictionary()
+# The optimizer wrappers that frameworks hand to user code, by the module and name of a class
+# in their MRO (so subclasses count, accelerate's DeepSpeedOptimizerWrapper included), and the
+# attribute holding the optimizer whose step they run. Matched by name: nothing is imported.
+_FRAMEWORK_WRAPPERS = {
+    ("accelerate.optimizer", "AcceleratedOptimizer"): "optimizer",
+    ("lightning.pytorch.core.optimizer", "LightningOptimizer"): "_optimizer",
+    ("pytorch_lightning.core.optimizer", "LightningOptimizer"): "_optimizer",
+}
+
+
+def _unwrap(optimizer: object) -> object:
+    """The optimizer inside accelerate's and Lightning's wrappers (nested ones too)."""
+    while True:
+        attribute = next(
+            (
+                _FRAMEWORK_WRAPPERS[key]
+                for cls in type(optimizer).__mro__
+                if (key := (cls.__module__, cls.__qualname__)) in _FRAMEWORK_WRAPPERS
+            ),
+            None,
+        )
+        inner = None if attribute is None else getattr(optimizer, attribute, None)
+        if inner is None or inner is optimizer:
+            return optimizer
+        optimizer = inner
+
+
+def _hooks_on(optimizer: torch.optim.Optimizer) -> list[tuple[int, GradientHook[Any]]]:
+    """The gradient hooks whose pre-step is in ``optimizer``'s hook dict, with their handle ids.
+
+    The dict, not the Python object, is what a step runs: a wrapper that forwards its
+    attributes shares the dict of the optimizer it wraps.
+    """
+    found = []
+    for key, hook in compat.step_pre_hooks(optimizer):
+        owner = getattr(hook, "__self__", None)
+        if isinstance(owner, GradientHook) and getattr(hook, "__name__", None) == "_pre_step":
+            found.append((key, owner))
+    return found
+
+
+def _wrapped(optimizer: torch.optim.Optimizer) -> list[torch.optim.Optimizer]:
+    """The optimizers that ``optimizer`` holds in ``.optimizer`` and steps, innermost last.
+
+    pytorch_optimizer's Lookahead and ScheduleFreeWrapper, for instance, hold the optimizer
+    they step there.
+    """
+    chain: list[torch.optim.Optimizer] = []
+    current: object = optimizer
+    while True:
+        inner = getattr(current, "optimizer", None)
+        if not isinstance(inner, torch.optim.Optimizer) or inner is optimizer or inner in chain:
+            return chain
+        chain.append(inner)
+        current = inner
 
 
 class GradientHook(Generic[S]):
@@ -418,17 +575,26 @@ class GradientHook(Generic[S]):
 
     What the base does, the same for every technique:
 
-    - :meth:`attach` registers the hook with ``register_step_pre_hook`` and returns the
-      :class:`~torch.utils.hooks.RemovableHandle`. LBFGS is refused (it evaluates its closure
-      many times per step), and so is a second hook of the same class on one optimizer (it
-      would apply the technique twice).
-    - Every param group and parameter is checked when attaching and again before each step
-      (groups may be added later), with one function, before anything changes.
+    - :meth:`attach` unwraps accelerate's and Lightning's optimizer wrappers, registers the
+      hook with ``register_step_pre_hook`` and returns the
+      :class:`~torch.utils.hooks.RemovableHandle`. Refused: LBFGS (it evaluates its closure
+      many times per step); optimizers that step a ``base_optimizer`` (SAM and its kin: the
+      hook belongs on ``base_optimizer``); for a technique with a post-step, optimizers that
+      step the one they hold in ``.optimizer`` (Lookahead); DeepSpeed's optimizers; and a
+      second hook of the same technique in the optimizer's step-hook dict or in that of an
+      optimizer it wraps (it would apply the technique twice).
+    - Every param group that takes part, and its parameters, is checked when attaching and
+      again before each step (groups may be added later), with one function, before anything
+      changes; a group that opts out is left alone. FSDP1's flattened parameters and
+      DeepSpeed ZeRO-3's partitions are refused: their norms are not the parameters'.
     - ``step(closure)``: the hook evaluates the closure itself, rewrites the fresh gradients
-      and hands the optimizer a closure that returns that loss once.
+      and hands the optimizer a closure that returns that loss once, and raises if the
+      optimizer calls it after changing the parameters (SAM's second pass would get no
+      gradients).
     - Parameters are grouped per param group, device, dtype and sharding; DTensor parameters
       (FSDP2, HSDP, tensor parallel) get the norms of their full tensors, with one all-reduce
-      per sharded mesh dimension for all of them.
+      per sharded mesh dimension for all of them. On the CPU, long tensors are reduced in
+      rows whose sums of squares are added in float64 (:func:`euclidean_norms`).
     - AMP with a fused optimizer: ``GradScaler.step`` sets ``optimizer.grad_scale`` and
       ``optimizer.found_inf`` and leaves the gradients scaled, for the fused step to unscale.
       The hook then computes from the scaled gradients divided by the scale, in float32, and
@@ -439,8 +605,8 @@ class GradientHook(Generic[S]):
       hook's result, not in the scaled gradients, so the scaler does not lower its scale for
       it.) This is GradScaler's private protocol, reached through ``_torch_compat``. Ordinary
       optimizers under GradScaler see unscaled gradients and need none of it.
-    - ``foreach``: None picks the fastest multi-tensor mix, True forces ``torch._foreach_*``
-      ops, False takes one tensor at a time (for tensor types the multi-tensor ops refuse).
+    - ``foreach``: None and True take ``torch._foreach_*`` ops, False one tensor at a time
+      (for tensor types the multi-tensor ops refuse).
     - Nothing is read back to the host: the hook traces under ``torch.compile(fullgraph=True)``.
     - A technique on the update instead of the gradients overrides ``_before_step_`` and
       ``_after_step`` (a step post-hook, registered next to the pre-hook); everything above
@@ -493,55 +659,136 @@ class GradientHook(Generic[S]):
         """Registers the hook with ``optimizer.register_step_pre_hook``.
 
         The optimizer's class, ``state_dict`` and LR schedulers are untouched; remove the hook
-        with the returned handle's ``remove()``.
+        with the returned handle's ``remove()``. The wrappers that frameworks hand to user
+        code are unwrapped, and the hook is registered on the optimizer whose step they run:
+        accelerate's ``AcceleratedOptimizer`` (what an HF ``TrainerCallback`` receives) and
+        Lightning's ``LightningOptimizer`` (what ``LightningModule.optimizers()`` returns).
 
         Args:
-            optimizer: any instance of :class:`torch.optim.Optimizer`.
+            optimizer: any instance of :class:`torch.optim.Optimizer`, or one of the
+                wrappers above.
 
         Returns:
             The handle of the registered pre-hook; for a technique with a post-step, one
             handle whose ``remove()`` removes both hooks.
         """
+        target = self._optimizer_to_hook(optimizer)
+        self._refuse_a_second_one(target)
+        self._check_optimizer(target)
+        handle = target.register_step_pre_hook(self._pre_step)
+        if self._has_post_step():
+            handle = _HookPair(handle, target.register_step_post_hook(self._after_step))
+        return handle
+
+    @classmethod
+    def _has_post_step(cls) -> bool:
+        return cls._after_step is not GradientHook._after_step
+
+    def _optimizer_to_hook(self, given: object) -> torch.optim.Optimizer:
+        """``given`` unwrapped, after refusing the optimizers whose step the hook cannot
+        serve."""
         name = type(self).__name__
+        optimizer = _unwrap(given)
         if not isinstance(optimizer, torch.optim.Optimizer):
+            if compat.is_deepspeed(optimizer):
+                raise TypeError(
+                    f"optimizer is DeepSpeed's {type(optimizer).__name__}, not a "
+                    "torch.optim.Optimizer: DeepSpeed's ZeRO and fp16/bf16 optimizers step "
+                    "flat tensors that hold pieces of many parameters, so the norms "
+                    f"{name} needs do not exist there, and attaching to the torch optimizer "
+                    "inside it (its .optimizer) would be silently wrong. Use DDP or FSDP2 "
+                    "(torch.distributed.fsdp.fully_shard), or DeepSpeed without ZeRO and "
+                    "without its fp16/bf16 modes, where the engine steps your own optimizer"
+                )
             raise TypeError(
-                f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}"
+                f"optimizer must be a torch.optim.Optimizer, got {type(given).__name__}"
             )
         if isinstance(optimizer, torch.optim.LBFGS):
             raise TypeError(
                 f"{name} cannot be attached to LBFGS: LBFGS evaluates its closure many times "
                 "per step, and the hook can only rewrite the gradients of one evaluation"
             )
-        attached = _ATTACHED.setdefault(optimizer, {})
-        # Keyed by the technique's prefix, so a subclass cannot slip in a second one either.
-        previous = attached.get(self.prefix)
-        if previous is not None and compat.is_handle_registered(previous[1]):
-            if previous[0] is self:
+        base = getattr(optimizer, "base_optimizer", None)
+        if isinstance(base, torch.optim.Optimizer) and base is not optimizer:
+            raise TypeError(
+                f"{name} cannot be attached to {type(optimizer).__name__}, which steps a "
+                f"base_optimizer ({type(base).__name__}): like SAM, it moves the parameters, "
+                "evaluates its closure there and then has base_optimizer step with those "
+                f"gradients, which the hook would never see. Attach {name} to "
+                "optimizer.base_optimizer: its step takes exactly those gradients, at the "
+                "restored parameters"
+            )
+        inner = _wrapped(optimizer)
+        if inner and self._has_post_step():
+            raise TypeError(
+                f"{name} cannot be attached to {type(optimizer).__name__}, which steps the "
+                f"{type(inner[0]).__name__} it wraps (its .optimizer) and may move the "
+                f"parameters itself (as Lookahead does): {name} rescales the change of the "
+                "parameters over the whole step and would rescale that too. Attach it to "
+                "optimizer.optimizer"
+            )
+        return optimizer
+
+    def _refuse_a_second_one(self, optimizer: torch.optim.Optimizer) -> None:
+        """Raises if a hook of this technique is on ``optimizer``'s hook dict already, or on
+        that of an optimizer it wraps (which its step steps: both would apply).
+
+        Keyed by the technique's prefix, so a subclass cannot slip in a second one either.
+        """
+        name = type(self).__name__
+        for _, other in _hooks_on(optimizer):
+            if other.prefix != self.prefix:
+                continue
+            if other is self:
                 raise RuntimeError(
                     f"this {name} is already attached to this {type(optimizer).__name__}; "
                     "remove the first handle before attaching it again"
                 )
             raise RuntimeError(
-                f"another {name} ({previous[0]!r}) is already attached to this "
+                f"another {name} ({other!r}) is already attached to this "
                 f"{type(optimizer).__name__}; two would apply {self.technique} twice. Remove "
                 "the first one with its handle's remove() before attaching this one"
             )
-        self._check_optimizer(optimizer)
-        handle = optimizer.register_step_pre_hook(self._pre_step)
-        if type(self)._after_step is not GradientHook._after_step:
-            handle = _HookPair(handle, optimizer.register_step_post_hook(self._after_step))
-        attached[self.prefix] = (self, handle)
-        return handle
+        self._refuse_one_inside(optimizer)
+
+    def _refuse_one_inside(self, optimizer: torch.optim.Optimizer) -> None:
+        """Raises if a hook of this technique is on an optimizer that ``optimizer`` wraps.
+
+        Checked again at each step: the inner hook may be attached after the outer one.
+        """
+        inner = _wrapped(optimizer)
+        if not inner:
+            return
+        own = {key for key, _ in _hooks_on(optimizer)}
+        for wrapped in inner:
+            for key, other in _hooks_on(wrapped):
+                if key not in own and other.prefix == self.prefix:
+                    raise RuntimeError(
+                        f"a {type(other).__name__} is attached to the "
+                        f"{type(wrapped).__name__} that {type(optimizer).__name__} wraps and "
+                        f"steps (its .optimizer), and a {type(self).__name__} to "
+                        f"{type(optimizer).__name__} itself: the two would apply "
+                        f"{self.technique} twice. Keep one of them"
+                    )
 
     def _check_optimizer(self, optimizer: torch.optim.Optimizer) -> list[S | None]:
-        """Every param group's settings (None where it opts out), after checking its params."""
+        """Every param group's settings (None where it opts out), after checking the params
+        of the groups that take part; a group that opts out is left alone, params and all."""
         settings_of = []
         seen: dict[int, tuple[int, int]] = {}
+        foreign = compat.fsdp1_possible() or compat.deepspeed_possible()
         for index, group in enumerate(optimizer.param_groups):
-            settings_of.append(self._group_settings(optimizer, group, index))
+            settings = self._group_settings(optimizer, group, index)
+            settings_of.append(settings)
+            if settings is None:
+                continue
             for position, param in enumerate(group["params"]):
                 if not isinstance(param, Tensor) or param.dtype not in _SUPPORTED_DTYPES:
                     check_param(
+                        param, f"parameter {position} of param group {index}", self.technique
+                    )
+                if foreign and compat.may_carry_marks(param):
+                    check_not_flattened(
                         param, f"parameter {position} of param group {index}", self.technique
                     )
                 first = seen.setdefault(id(param), (index, position))
@@ -619,8 +866,9 @@ class GradientHook(Generic[S]):
         # for every hook on this optimizer, so a bad param group leaves the model untouched
         # whichever hook it concerns (hooks run one after the other).
         if not torch.compiler.is_compiling():
-            for hook, handle in list(_ATTACHED.get(optimizer, {}).values()):
-                if hook is not self and compat.is_handle_registered(handle):
+            self._refuse_one_inside(optimizer)
+            for _, hook in _hooks_on(optimizer):
+                if hook is not self:
                     hook._check_optimizer(optimizer)
         settings_of = self._check_optimizer(optimizer)
         closure, args, kwargs = _take_closure(args, kwargs)
@@ -630,9 +878,16 @@ class GradientHook(Generic[S]):
                 loss = closure()
         jobs: list[_Job[S] | None] = []
         skipped: list[Tensor] = []
+        with_grad: list[Tensor] = []
         for index, (group, settings) in enumerate(
             zip(optimizer.param_groups, settings_of, strict=True)
         ):
+            if settings is None:
+                params = [param for param in group["params"] if param.grad is not None]
+                skipped.extend(params)
+                jobs.append(None)
+                with_grad.extend(params)
+                continue
             params, positions = [], []
             for position, param in enumerate(group["params"]):
                 if param.grad is not None:
@@ -642,16 +897,14 @@ class GradientHook(Generic[S]):
                         )
                     params.append(param)
                     positions.append(position)
-            if settings is None:
-                skipped.extend(params)
-                jobs.append(None)
-            else:
-                jobs.append(_Job(settings, params, _namer(index, positions), group.get("lr")))
+            jobs.append(_Job(settings, params, _namer(index, positions), group.get("lr")))
+            with_grad.extend(params)
         with torch.no_grad():
             self._before_step_(optimizer, jobs, skipped)
         if closure is None:
             return None
-        kwargs["closure"] = _SingleUseClosure(loss, optimizer, name)
+        watched = [] if torch.compiler.is_compiling() else with_grad
+        kwargs["closure"] = _SingleUseClosure(loss, optimizer, name, watched)
         return args, kwargs
 
     def _before_step_(
@@ -679,13 +932,21 @@ class GradientHook(Generic[S]):
     def _unscale_skipped_(
         self, params: list[Tensor], grad_scale: Tensor, found_inf: Tensor | None
     ) -> None:
-        """Unscales the gradients the technique left alone, since the step will not."""
+        """Unscales the gradients the technique left alone, since the step will not.
+
+        As ``GradScaler.unscale_`` does: a sparse gradient's values are unscaled (float16 ones
+        coalesced first, so that values summed there are checked for overflow).
+        """
         groups: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
         dtensor = compat.dtensor_type()
         for param in params:
             grad: Any = param.grad
             if dtensor is not None and isinstance(grad, dtensor):
                 grad = grad.to_local()
+            if grad.is_sparse:
+                if grad.dtype == torch.float16:
+                    param.grad = grad = grad.coalesce()
+                grad = compat.sparse_values(grad)
             groups.setdefault((grad.device, grad.dtype), []).append(grad)
         for (device, _), grads in groups.items():
             flag = torch.zeros((), dtype=torch.float32, device=device)
@@ -695,7 +956,7 @@ class GradientHook(Generic[S]):
 
 
 class _HookPair(RemovableHandle):
-    """The pre-hook's handle (same id, so duplicate checks see it), also removing the post-hook.
+    """The pre-hook's handle (same id), also removing the post-hook.
 
     A subclass of torch's handle rather than an edit of the optimizer's hook dicts.
     """
@@ -712,16 +973,36 @@ class _HookPair(RemovableHandle):
 
 
 class _SingleUseClosure:
-    """Hands the optimizer the loss of a closure the hook already evaluated."""
+    """Hands the optimizer the loss of a closure the hook already evaluated.
 
-    def __init__(self, loss: Any, optimizer: torch.optim.Optimizer, hook_name: str) -> None:
+    The gradients of that evaluation are the ones the hook rewrote: an optimizer that moves
+    the parameters before calling its closure (SAM's two passes) expects new gradients, and
+    would silently step with none. ``params`` (the parameters with a gradient) are watched
+    through their version counters, which every in-place change bumps.
+    """
+
+    def __init__(
+        self, loss: Any, optimizer: torch.optim.Optimizer, hook_name: str, params: list[Tensor]
+    ) -> None:
         self._loss = loss
         self._optimizer_name = type(optimizer).__name__
         self._hook_name = hook_name
         self._calls = 0
+        self._params = params
+        self._versions = compat.versions(params)
 
     def __call__(self) -> Any:
         self._calls += 1
+        if compat.versions(self._params) != self._versions:
+            raise RuntimeError(
+                f"{self._optimizer_name} changed the parameters and then called its closure "
+                f"(as SAM-style optimizers do); {self._hook_name} evaluated that closure before "
+                "the step, when torch runs step pre-hooks, so the loss it returns comes with no "
+                f"gradients at the new parameters. The parameters are left where "
+                f"{self._optimizer_name} moved them. Attach {self._hook_name} to the optimizer "
+                "that takes the final step with those gradients (a SAM-style optimizer's "
+                "base_optimizer)"
+            )
         if self._calls > 1:
             raise RuntimeError(
                 f"{self._optimizer_name} called its closure more than once in one step; "

@@ -12,7 +12,6 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.utils.hooks import RemovableHandle
 
 # torch.nn.modules.conv's base classes (2.11, 2.13): every Conv*/LazyConv* and every
 # ConvTranspose*/LazyConvTranspose* layer derives from them.
@@ -65,12 +64,6 @@ def weight_norm_interface_backward(
     """The fused backward of :func:`weight_norm_interface`: ``(grad_v, grad_g)`` (2.11, 2.13)."""
     grad_v, grad_g = torch.ops.aten._weight_norm_interface_backward(grad_w, v, g, norm, dim)
     return grad_v, grad_g
-
-
-def is_handle_registered(handle: RemovableHandle) -> bool:
-    """Whether a hook handle's hook is still registered (``hooks_dict_ref``: 2.11, 2.13)."""
-    hooks = handle.hooks_dict_ref()
-    return hooks is not None and handle.id in hooks
 
 
 def grad_scale(optimizer: torch.optim.Optimizer) -> Tensor | None:
@@ -218,3 +211,98 @@ def load_state_dict_pre_hooks(module: nn.Module) -> list[object]:
 def state_dict_hooks(module: nn.Module) -> list[object]:
     """The state-dict post-hooks of ``module``, read only (``_state_dict_hooks``: 2.11, 2.13)."""
     return list(module._state_dict_hooks.values())
+
+
+# --- optimizer hooks and the shardings they cannot serve (the gradient hooks' part) -----------
+
+
+def step_pre_hooks(optimizer: torch.optim.Optimizer) -> list[tuple[int, object]]:
+    """The step pre-hooks registered on ``optimizer`` with their handle ids, in order, read
+    only (2.11, 2.13).
+
+    ``Optimizer._optimizer_step_pre_hooks`` is an OrderedDict keyed by handle id (unique
+    across all dicts), which ``step`` runs after the global pre-hooks. A wrapper that
+    forwards its attributes to the optimizer it holds (Lightning's ``LightningOptimizer``)
+    reads, and registers into, that optimizer's dict: the hooks found here are the ones its
+    step runs.
+    """
+    hooks = getattr(optimizer, "_optimizer_step_pre_hooks", None)
+    return [] if hooks is None else list(hooks.items())
+
+
+def versions(tensors: list[Tensor]) -> list[int]:
+    """The version counters of ``tensors`` (``Tensor._version``: 2.11, 2.13).
+
+    Every in-place change of a tensor (``add_``, ``copy_``, an optimizer's update) bumps its
+    counter; reading it is a host-side integer, never a device sync.
+    """
+    return [tensor._version for tensor in tensors]
+
+
+def sparse_values(tensor: Tensor) -> Tensor:
+    """The values of a sparse COO tensor, coalesced or not, as a dense view (2.11, 2.13).
+
+    ``Tensor._values`` is what ``GradScaler`` unscales in place for a sparse gradient.
+    """
+    return tensor._values()
+
+
+def fsdp1_possible() -> bool:
+    """Whether FSDP1 (``torch.distributed.fsdp.FullyShardedDataParallel``) may have run.
+
+    Its ``FlatParameter`` lives in ``torch.distributed.fsdp._flat_param``; while nothing has
+    imported that module, no tensor can be one (and nothing here imports it).
+    """
+    return "torch.distributed.fsdp._flat_param" in sys.modules
+
+
+def fsdp1_flattening(tensor: Tensor) -> str | None:
+    """How FSDP1 flattened ``tensor``: ``"flat"``, ``"original"`` or None (2.11, 2.13).
+
+    FSDP1 (``torch/distributed/fsdp/_flat_param.py``) marks each ``FlatParameter`` with
+    ``_is_flat_param`` (which ``isinstance(t, FlatParameter)`` reads) and with
+    ``_fsdp_flattened`` (``_common_utils.FSDP_FLATTENED``); with ``use_orig_params=True`` it
+    marks the original parameters it flattens with ``_fsdp_flattened`` too, and leaves each
+    of them a view of this rank's piece of the flat shard. Both are instance attributes.
+    """
+    if getattr(tensor, "_is_flat_param", False):
+        return "flat"
+    if getattr(tensor, "_fsdp_flattened", False):
+        return "original"
+    return None
+
+
+def deepspeed_possible() -> bool:
+    """Whether DeepSpeed is imported: its partitioned parameters cannot exist before that."""
+    return "deepspeed" in sys.modules
+
+
+def deepspeed_partitioned(tensor: Tensor) -> bool:
+    """Whether ``tensor`` is a ZeRO-3 parameter or partition of DeepSpeed (checked on its source).
+
+    ZeRO-3 gives every parameter it partitions an integer ``ds_id`` (with ``ds_status``,
+    ``ds_tensor``, ``ds_shape``, ...), and its flat fp32 partitions a ``ds_id`` as well
+    (``deepspeed/runtime/zero/partition_parameters.py``, ``stage3.py``).
+    """
+    return getattr(tensor, "ds_id", None) is not None
+
+
+def may_carry_marks(tensor: Tensor) -> bool:
+    """Whether ``tensor`` may carry FSDP1's or DeepSpeed's marks, which are attributes set on
+    the tensor itself: most tensors have none, and an empty ``__dict__`` is a cheap test.
+    (``torch.compile`` cannot trace ``vars``; there the marks are read one by one.)"""
+    return torch.compiler.is_compiling() or bool(vars(tensor))
+
+
+def is_deepspeed(obj: object) -> bool:
+    """Whether a class in ``obj``'s MRO is defined in a ``deepspeed`` module.
+
+    DeepSpeed's ZeRO and fp16/bf16 optimizers (``DeepSpeedZeroOptimizer``,
+    ``DeepSpeedZeroOptimizer_Stage3``, ``BF16_Optimizer``, ``FP16_Optimizer``) derive from
+    ``deepspeed.runtime.base_optimizer.DeepSpeedOptimizer``, a plain ``object``.
+    """
+    for cls in type(obj).__mro__:
+        module = getattr(cls, "__module__", "") or ""
+        if module == "deepspeed" or module.startswith("deepspeed."):
+            return True
+    return False

@@ -27,9 +27,10 @@ from normhooks._grad_hook import (
     apply_to_parameters_,
     euclidean_norms,
     inverse_scale,
+    row_norms,
     unscale_and_check_,
 )
-from normhooks._precision import HALF_DTYPES, compute_dtype
+from normhooks._precision import HALF_DTYPES
 
 __all__ = ["AdaptiveGradientClipping", "agc_", "agc_param_groups"]
 
@@ -89,8 +90,7 @@ def _unit_norms(tensors: list[Tensor], whole: Tensor | None, foreach: bool | Non
             )
     for t in tensors:
         if t.ndim >= 2:
-            dims = tuple(range(1, t.ndim))
-            parts.append(torch.linalg.vector_norm(t, dim=dims, dtype=compute_dtype(t.dtype)))
+            parts.append(row_norms(t))
     return torch.cat(parts) if len(parts) > 1 else parts[0]
 
 
@@ -196,14 +196,16 @@ def agc_(
     only where :math:`\lambda\epsilon < 10^{-6}`; here the division only happens where
     :math:`\|G_i\| > \lambda \max(\|W_i\|, \epsilon) > 0`, so no floor is needed.) Dim 0 is
     the input axis of ``nn.ConvTranspose`` weights, as in timm. Norms are per device and dtype,
-    float16/bfloat16 computed in float32 and rounded once; nothing is read back to the host.
+    float16/bfloat16 computed in float32 and rounded once; on the CPU, units of more than 4096
+    values are reduced in pieces whose sums of squares are added in float64 (a single float32
+    reduction of a long unit is not precise). Nothing is read back to the host.
 
     Args:
         parameters: a tensor or an iterable of tensors; those without ``.grad`` are skipped.
         clipping: :math:`\lambda`, the largest allowed ratio of gradient to weight norm.
         eps: :math:`\epsilon`, the smallest weight norm a unit is given, so that zero-initialized
             weights can still move.
-        foreach: True forces multi-tensor ops, False one tensor at a time, None picks.
+        foreach: True or None take multi-tensor ops, False one tensor at a time.
 
     Returns:
         A 1-D tensor with, for each parameter that has a gradient, the largest ratio

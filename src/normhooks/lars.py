@@ -177,10 +177,11 @@ def lars_(
 
     with :math:`\beta` = ``weight_decay`` and :math:`\eta` = ``trust_coefficient``.
     Parameters are taken per device and dtype. On accelerators the norms are one multi-tensor
-    call; on the CPU, large tensors are one dot product each and the rest one multi-tensor
-    call. The update is two multi-tensor calls, except for float16/bfloat16, whose norms and
-    update are computed in float32, one tensor at a time, and rounded once. Nothing is read
-    back to the host.
+    call; on the CPU, tensors of more than 4096 values are reduced in rows whose sums of
+    squares are added in float64 (a single float32 reduction of a long tensor is not
+    precise), and the rest in one multi-tensor call. The update is two multi-tensor calls,
+    except for float16/bfloat16, whose norms and update are computed in float32 (the update
+    one tensor at a time) and rounded once. Nothing is read back to the host.
 
     Args:
         parameters: a tensor or an iterable of tensors; those without ``.grad`` are skipped.
@@ -188,8 +189,7 @@ def lars_(
         weight_decay: :math:`\beta`, L2 decay added to the gradient before scaling.
         eps: added to the denominator for numerical stability.
         trust_coefficient: :math:`\eta`, multiplies the local rate.
-        foreach: True forces multi-tensor ops everywhere, False takes one tensor at a time,
-            None picks as above.
+        foreach: True or None take multi-tensor ops as above, False one tensor at a time.
 
     Returns:
         A 1-D tensor with the rate applied to each parameter that has a gradient, in order.

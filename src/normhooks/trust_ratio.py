@@ -247,8 +247,8 @@ class TrustRatio(GradientHook[TrustRatioSettings]):
         trust_coefficient: :math:`\eta`, multiplies the ratio.
         clip: an upper bound on the ratio (timm's ``trust_clip=True`` is ``clip=1.0``), or
             None for no bound.
-        foreach: True forces multi-tensor ops, False takes one tensor at a time, None picks
-            the fastest.
+        foreach: True or None take multi-tensor ops, False one tensor at a time; the norms
+            of long CPU tensors are taken row by row either way (see :func:`~normhooks.lars_`).
 
     References:
         You et al., Large Batch Optimization for Deep Learning: Training BERT in 76 Minutes,
