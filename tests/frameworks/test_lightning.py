@@ -30,12 +30,6 @@ from normhooks import (
     lars_param_groups,
 )
 
-pytestmark = [
-    pytest.mark.filterwarnings("ignore:The '.*dataloader' does not have many workers"),
-    # Lightning's own use of torch's pytree (lightning 2.6 with torch 2.13).
-    pytest.mark.filterwarnings("ignore:`isinstance\\(treespec, LeafSpec\\)` is deprecated"),
-]
-
 LR = 0.1
 MOMENTUM = 0.9
 WEIGHT_DECAY = 5e-4

@@ -257,6 +257,41 @@ def test_max_grad_norm_clips_before_the_hook(tmp_path: Path) -> None:
         assert_parameters_close(model, other_order)
 
 
+class RecordGradients(TrainerCallback):
+    """The gradients ``on_pre_optimizer_step`` sees, and those ``on_optimizer_step`` sees."""
+
+    def __init__(self) -> None:
+        self.before: list[Tensor] = []
+        self.after: list[Tensor] = []
+
+    def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.before = [p.grad.clone() for p in kwargs["model"].parameters()]
+
+    def on_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.after = [p.grad.clone() for p in kwargs["model"].parameters()]
+
+
+def test_callbacks_see_the_gradients_before_and_after_the_hook(tmp_path: Path) -> None:
+    model, data = Regressor(), samples()
+    expected = copy.deepcopy(model)
+    record = RecordGradients()
+    args = arguments(tmp_path, max_steps=1)
+    optimizers = (lars_sgd(model), None)
+    trainer = Trainer(
+        model=model, args=args, train_dataset=data, optimizers=optimizers, callbacks=[record]
+    )
+    trainer.train()
+
+    x, y = batches(data, BATCH)[0]
+    expected(x, y)["loss"].backward()
+    raw = [p.grad.clone() for p in expected.parameters()]
+    lars_by_hand(expected)
+    for seen, grad in zip(record.before, raw, strict=True):
+        torch.testing.assert_close(seen, grad)
+    for seen, param in zip(record.after, expected.parameters(), strict=True):
+        torch.testing.assert_close(seen, param.grad)
+
+
 def test_resume_from_checkpoint_is_bit_identical_to_an_uninterrupted_run(tmp_path: Path) -> None:
     data = samples()
 
