@@ -16,7 +16,7 @@ import torch
 from pytorch_optimizer import LARS, Lamb, agc
 from torch import Tensor, nn
 
-from normhooks import GradientLARS, TrustRatio, agc_
+from normhooks import GradientLARS, TrustRatio, agc_, lars_param_groups
 
 BETAS = (0.9, 0.999)
 STEPS = 5
@@ -54,15 +54,6 @@ def assert_trained_alike(theirs: nn.Module, ours: nn.Module) -> None:
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14)
 
 
-def by_ndim(net: nn.Module, **others: Any) -> list[dict[str, Any]]:
-    """pytorch-optimizer's split: tensors with more than one dimension, and the others."""
-    params = list(net.parameters())
-    return [
-        {"params": [p for p in params if p.ndim > 1]},
-        {"params": [p for p in params if p.ndim <= 1], **others},
-    ]
-
-
 @pytest.mark.parametrize(
     "options",
     [
@@ -82,8 +73,9 @@ def test_lars_is_sgd_with_gradient_lars(options: dict[str, Any]) -> None:
     } | options
 
     def ours(net: nn.Module) -> torch.optim.Optimizer:
+        # pytorch-optimizer's split: tensors with more than one dimension get LARS.
         optimizer = torch.optim.SGD(
-            by_ndim(net, lars=False),
+            lars_param_groups(net, exclude=lambda name, p: p.ndim <= 1),
             lr=settings["lr"],
             momentum=settings["momentum"],
             dampening=settings["dampening"],
