@@ -111,9 +111,9 @@ def weights(net: nn.Module) -> list[Tensor]:
     return [p for p in net.parameters() if p.ndim > 1]
 
 
-def assert_parameters_close(actual: nn.Module, expected: nn.Module, **tolerance: Any) -> None:
+def assert_parameters_close(actual: nn.Module, expected: nn.Module) -> None:
     for a, b in zip(actual.parameters(), expected.parameters(), strict=True):
-        torch.testing.assert_close(a, b, **tolerance)
+        torch.testing.assert_close(a, b)
 
 
 def train_lars_by_hand(net: nn.Module, data: DataLoader[Any], epochs: int = 2) -> None:
