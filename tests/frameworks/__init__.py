@@ -1,0 +1,1 @@
+"""normhooks inside the training frameworks, against the techniques written out by hand."""
