@@ -57,17 +57,17 @@ def output_axis(layer: nn.Module) -> int:
 def count_computations() -> Iterator[list[int]]:
     """Counts standardizations actually computed."""
     calls = [0]
-    original = standardization.standardize_weight
+    original = standardization._standardize
 
     def counting(*args: Any, **kwargs: Any) -> torch.Tensor:
         calls[0] += 1
         return original(*args, **kwargs)
 
-    standardization.standardize_weight = counting
+    standardization._standardize = counting
     try:
         yield calls
     finally:
-        standardization.standardize_weight = original
+        standardization._standardize = original
 
 
 # --- the formula ---------------------------------------------------------------------------
@@ -477,7 +477,7 @@ def test_in_place_write_to_served_weight_is_not_served_again() -> None:
             lambda: nn.Linear(3, 2),
             {"name": "bias"},
             ValueError,
-            r"Linear\.bias has 1 dimension; weight standardization needs a weight with at least 2",
+            r"Linear\.bias has 1 dimension; weight standardization needs a tensor with at least 2",
         ),
         (
             lambda: nn.Conv2d(3, 2, 3),

@@ -215,18 +215,41 @@ def checked_tensor(module: nn.Module, name: str, what: str) -> Tensor | None:
             f"{describe(module, name)} must be a torch.nn.Parameter to apply {what}, "
             f"got {type(weight).__name__}"
         )
-    check_dtype(module, name, weight.dtype, what)
+    check_dtype(describe(module, name), weight.dtype, what)
     refuse_sparse(module, what)
     return weight
 
 
-def check_dtype(module: nn.Module, name: str, dtype: torch.dtype, what: str) -> None:
+def check_dtype(where: str, dtype: torch.dtype, what: str) -> None:
+    """Raises unless ``dtype`` is a real floating-point dtype; ``where`` names the tensor."""
     if not dtype.is_floating_point:
         kind = "complex" if dtype.is_complex else "integer"
         raise TypeError(
-            f"{describe(module, name)} must be a real floating-point tensor for {what}, "
-            f"got {kind} dtype {dtype}"
+            f"{where} must be a real floating-point tensor for {what}, got {kind} dtype {dtype}"
         )
+
+
+def check_ndim(where: str, ndim: int, what: str) -> None:
+    """Raises unless a tensor of ``ndim`` dimensions has the 2 or more that both techniques
+    need: one axis of rows, and at least one more to take statistics over."""
+    if ndim < 2:
+        raise ValueError(
+            f"{where} has {ndim} dimension{'s' if ndim != 1 else ''}; {what} needs a tensor "
+            "with at least 2"
+        )
+
+
+def check_tensor(tensor: object, where: str, what: str) -> Tensor:
+    """``tensor`` if it is a real floating-point tensor with at least 2 dimensions.
+
+    The checks of every public function and parametrization forward: a few attribute reads,
+    cheap enough for each forward, and static under ``torch.compile`` (dtypes and ranks).
+    """
+    if not isinstance(tensor, Tensor):
+        raise TypeError(f"{where} must be a torch.Tensor, got {type(tensor).__name__}")
+    check_dtype(where, tensor.dtype, what)
+    check_ndim(where, tensor.ndim, what)
+    return tensor
 
 
 def refuse_sparse(module: nn.Module, what: str) -> None:

@@ -193,7 +193,10 @@ class WeightNorm(nn.Module):
         self.legacy_keys = False
 
     def forward(self, g: Tensor, v: Tensor) -> Tensor:
-        dim = None if self.dim is None else self.dim % v.ndim
+        dim = self._checked_dim(g, v)
+        if g.dtype != v.dtype:
+            # The fused kernels and torch's fused op take one dtype; the formula promotes.
+            return _weight_norm(g, v, dim, self.eps)
         if dim is not None and _kernels.available(v) and _kernels.available(g):
             # CUDA with Triton: one fused kernel forward and one backward, exact.
             return _kernels.fused_weight_norm(g, v, dim, self.eps)
@@ -211,7 +214,39 @@ class WeightNorm(nn.Module):
         result: Tensor = _WeightNormFunction.apply(g, v, dim, self.eps)  # type: ignore[no-untyped-call]
         return result
 
+    def _checked_dim(self, g: Tensor, v: Tensor) -> int | None:
+        """The axis of ``v`` with one norm per index, after checking g and v.
+
+        Every path reads g by v's layout (torch's fused op and the kernels index it per row
+        without bounds checks), so g's shape is checked here, on every path: a few attribute
+        reads, static under torch.compile.
+        """
+        _parametrize.check_tensor(v, "v", _WHAT)
+        if not isinstance(g, Tensor):
+            raise TypeError(f"g must be a torch.Tensor, got {type(g).__name__}")
+        _parametrize.check_dtype("g", g.dtype, _WHAT)
+        dim = self.dim
+        if dim is None:
+            if g.numel() != 1 or g.ndim > v.ndim:
+                raise ValueError(
+                    "g must be a single element for dim=None (one norm of the whole tensor), "
+                    f"got g of shape {list(g.shape)}"
+                )
+            return None
+        if not -v.ndim <= dim < v.ndim:
+            _checks.axis("dim", dim, v.ndim, f"v of shape {list(v.shape)}")
+        dim %= v.ndim
+        rows = v.shape[dim]
+        if g.ndim != v.ndim or g.shape[dim] != rows or g.numel() != rows:
+            expected = [rows if d == dim else 1 for d in range(v.ndim)]
+            raise ValueError(
+                f"g must have shape {expected} (one entry per index of dim={self.dim} of v, "
+                f"whose shape is {list(v.shape)}), got g of shape {list(g.shape)}"
+            )
+        return dim
+
     def right_inverse(self, weight: Tensor) -> tuple[Tensor, Tensor]:
+        _parametrize.check_tensor(weight, "weight", _WHAT)
         dim = None
         if self.dim is not None:
             shape = f"a weight of shape {list(weight.shape)}"
@@ -315,11 +350,7 @@ Step = Callable[[], Undo]
 
 def _axis(module: nn.Module, name: str, ndim: int, dim: int | None) -> int | None:
     where = describe(module, name)
-    if ndim < 2:
-        raise ValueError(
-            f"{where} has {ndim} dimension{'s' if ndim != 1 else ''}; weight normalization "
-            "applies to parameters with at least 2"
-        )
+    _parametrize.check_ndim(where, ndim, _WHAT)
     return None if dim is None else _checks.axis("dim", dim, ndim, where)
 
 
@@ -349,7 +380,7 @@ def _plan(module: nn.Module, name: str, dim: int | None, eps: float, *, strict_d
             )
         lazy = module._parameters[name]
         assert lazy is not None  # checked_tensor refused None
-        _parametrize.check_dtype(module, name, lazy.dtype, _WHAT)
+        _parametrize.check_dtype(describe(module, name), lazy.dtype, _WHAT)
         ndim = _parametrize.expected_ndim(module, name)
         if ndim is not None:
             _axis(module, name, ndim, dim)

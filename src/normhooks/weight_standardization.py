@@ -32,6 +32,7 @@ __all__ = [
 ]
 
 _MARKER = "weight_standardization"
+_WHAT = "weight standardization"
 
 
 def _rows(weight: Tensor, dim: int, groups: int) -> tuple[Tensor, tuple[int, ...]]:
@@ -101,12 +102,47 @@ def standardize_weight(
         tensor([[-1.2247,  0.0000,  1.2247],
                 [ 0.0000,  0.0000,  0.0000]])
     """
-    if groups > 1 and (dim % weight.ndim == 0 or weight.shape[0] % groups):
+    weight = _parametrize.check_tensor(weight, "weight", _WHAT)
+    axis = _checks.axis("dim", dim, weight.ndim, f"a weight of shape {list(weight.shape)}")
+    eps = _checks.positive("eps", eps)
+    groups = _checks.positive_int("groups", groups)
+    _check_groups(weight, axis, groups)
+    if gain is not None:
+        _check_gain("gain", gain, weight, axis, groups)
+    return _standardize(weight, axis, eps, groups, gain)
+
+
+def _check_groups(weight: Tensor, dim: int, groups: int) -> None:
+    if groups > 1 and (dim == 0 or weight.shape[0] % groups):
         raise ValueError(
             f"groups={groups} splits axis 0 (a transposed convolution's input channels) into "
             f"groups for the output axis dim; it needs dim >= 1 and axis 0 divisible by "
             f"groups, got dim={dim} for a weight of shape {list(weight.shape)}"
         )
+
+
+def _check_gain(where: str, gain: object, weight: Tensor, dim: int, groups: int) -> Tensor:
+    """``gain`` if it has one real floating-point entry per standardized slice.
+
+    Every path reads the gain by row (the kernel without bounds checks, the formula by
+    broadcasting, which would spread a single entry over every row).
+    """
+    if not isinstance(gain, Tensor):
+        raise TypeError(f"{where} must be a torch.Tensor, got {type(gain).__name__}")
+    _parametrize.check_dtype(where, gain.dtype, _WHAT)
+    channels = weight.shape[dim] * groups
+    if gain.ndim != 1 or gain.shape[0] != channels:
+        grouped = f" with groups={groups}" if groups > 1 else ""
+        raise ValueError(
+            f"{where} must have shape [{channels}], one entry per output channel of a weight of "
+            f"shape {list(weight.shape)} along dim={dim}{grouped}, got {where} of shape "
+            f"{list(gain.shape)}"
+        )
+    return gain
+
+
+def _standardize(weight: Tensor, dim: int, eps: float, groups: int, gain: Tensor | None) -> Tensor:
+    """:func:`standardize_weight` on checked arguments, ``dim`` in ``range(weight.ndim)``."""
     rows, shape = _rows(weight, dim, groups)
     if rows.numel() == 0:
         return weight.clone()
@@ -157,10 +193,19 @@ class WeightStandardization(nn.Module):
         self.groups = _checks.positive_int("groups", groups)
 
     def _axis(self, weight: Tensor) -> int:
-        return _checks.axis("dim", self.dim, weight.ndim, f"a weight of shape {list(weight.shape)}")
+        """The standardized axis of ``weight``, after the checks of :func:`standardize_weight`
+        that its arguments need (the settings were checked at construction)."""
+        _parametrize.check_tensor(weight, "weight", _WHAT)
+        dim = self.dim
+        if not -weight.ndim <= dim < weight.ndim:
+            _checks.axis("dim", dim, weight.ndim, f"a weight of shape {list(weight.shape)}")
+        dim %= weight.ndim
+        if self.groups > 1:
+            _check_groups(weight, dim, self.groups)
+        return dim
 
     def forward(self, weight: Tensor) -> Tensor:
-        return standardize_weight(weight, self._axis(weight), self.eps, groups=self.groups)
+        return _standardize(weight, self._axis(weight), self.eps, self.groups, None)
 
     def extra_repr(self) -> str:
         groups = f", groups={self.groups}" if self.groups != 1 else ""
@@ -221,10 +266,10 @@ class ScaledWeightStandardization(WeightStandardization):
 
     def forward(self, weight: Tensor) -> Tensor:
         dim = self._axis(weight)
-        rows, _ = _rows(weight, dim, self.groups)
-        fan_in = rows.shape[1]
-        scale = self.gain * (self.gamma / math.sqrt(fan_in)) if fan_in else self.gain
-        return standardize_weight(weight, dim, self.eps, groups=self.groups, gain=scale)
+        gain = _check_gain("gain", self.gain, weight, dim, self.groups)
+        fan_in = weight.numel() // gain.shape[0] if gain.shape[0] else 0
+        scale = gain * (self.gamma / math.sqrt(fan_in)) if fan_in else gain
+        return _standardize(weight, dim, self.eps, self.groups, scale)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, gamma={self.gamma}, num_channels={self.gain.numel()}"
@@ -239,11 +284,7 @@ def _is_standardized(module: nn.Module, name: str) -> bool:
 def _resolve(module: nn.Module, name: str, ndim: int, dim: int | None) -> tuple[int, int]:
     """The standardized axis and the input-channel groups its slices span."""
     where = describe(module, name)
-    if ndim < 2:
-        raise ValueError(
-            f"{where} has {ndim} dimension{'s' if ndim != 1 else ''}; weight "
-            "standardization needs a weight with at least 2"
-        )
+    _parametrize.check_ndim(where, ndim, _WHAT)
     axis = output_axis(module) if dim is None else _checks.axis("dim", dim, ndim, where)
     groups = getattr(module, "groups", 1)
     spans_groups = _parametrize.is_transposed(module) and axis == 1 and groups > 1
@@ -265,7 +306,7 @@ def _plan(
     module: nn.Module, name: str, eps: float, dim: int | None, scaled: bool, gamma: float
 ) -> Callable[[], _parametrize.Undo]:
     """Checks ``module.<name>`` and returns the step that standardizes it."""
-    weight = _parametrize.checked_tensor(module, name, "weight standardization")
+    weight = _parametrize.checked_tensor(module, name, _WHAT)
     if _is_standardized(module, name):
         raise ValueError(f"{describe(module, name)} is already standardized")
     if weight is None:
@@ -283,7 +324,7 @@ def _register(
     module: nn.Module, name: str, eps: float, dim: int | None, scaled: bool, gamma: float
 ) -> _parametrize.Undo:
     """Standardizes ``module.<name>``, which exists (a lazy module's, by its first forward)."""
-    weight = _parametrize.checked_tensor(module, name, "weight standardization")
+    weight = _parametrize.checked_tensor(module, name, _WHAT)
     if weight is None:
         raise ValueError(f"{describe(module, name)} is still uninitialized")
     axis, groups = _resolve(module, name, weight.ndim, dim)
@@ -396,7 +437,7 @@ def apply_weight_standardization(
     eps, scaled, gamma = _check_options(eps, scaled, gamma)
     types = _parametrize.layer_types(layer_types, (ConvNd,))
     _parametrize.check_module(model, "model")
-    _parametrize.refuse_wrapped(model, "weight standardization")
+    _parametrize.refuse_wrapped(model, _WHAT)
     steps = []
     matched = already = 0
     for layer in model.modules():
