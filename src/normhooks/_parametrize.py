@@ -62,6 +62,26 @@ def expected_ndim(module: nn.Module, name: str = "weight") -> int | None:
     return 2 + len(cast(Any, module).kernel_size) if isinstance(module, ConvNd) else 2
 
 
+# Layers whose own forward standardizes the weight they hold, whatever a parametrization makes
+# of it: timm's timm/layers/std_conv.py (timm.models.layers.std_conv before timm 0.9; BiT,
+# ViT hybrids, NF-Nets) and transformers' BiT port. They are known by class name along the
+# MRO, under their package's modules, so subclasses are caught and neither is imported.
+_SELF_STANDARDIZING = {
+    "timm.": frozenset({"StdConv2d", "StdConv2dSame", "ScaledStdConv2d", "ScaledStdConv2dSame"}),
+    "transformers.models.bit.": frozenset({"WeightStandardizedConv2d"}),
+}
+
+
+def own_standardization(module: nn.Module) -> str | None:
+    """The class through which ``module``'s forward standardizes its own weight, as
+    ``timm.layers.std_conv.ScaledStdConv2d``; None for every other layer."""
+    for cls in type(module).__mro__:
+        for package, names in _SELF_STANDARDIZING.items():
+            if cls.__name__ in names and cls.__module__.startswith(package):
+                return f"{cls.__module__}.{cls.__qualname__}"
+    return None
+
+
 def is_transposed(module: nn.Module) -> bool:
     return isinstance(module, ConvTransposeNd)
 

@@ -359,6 +359,15 @@ def _plan(module: nn.Module, name: str, dim: int | None, eps: float, *, strict_d
 
     torch's weight norm is taken over; ``strict_dim`` requires it to run along ``dim``.
     """
+    own = _parametrize.own_standardization(module) if name == "weight" else None
+    if own is not None:
+        raise ValueError(
+            f"{describe(module, name)} is a {own}, whose forward standardizes whatever weight "
+            "it is given: it would cancel g (the standardized g * v / ||v|| does not depend on "
+            "g), which would then never train. Weight normalization does not compose with the "
+            "layer's own standardization: leave it out (layer_types selects subclasses too, so "
+            "name only the classes to convert, e.g. layer_types=torch.nn.Linear)"
+        )
     if _parametrize.has_torch_weight_norm(module, name):
         return _plan_takeover(module, name, dim, eps, strict_dim=strict_dim)
     weight = _parametrize.checked_tensor(module, name, _WHAT)
@@ -623,7 +632,9 @@ def apply_weight_norm(
 
     Raises:
         ValueError: nothing to convert, tied weights (converting one would untie them), a
-            matching weight with another parametrization, or a bad weight (named).
+            matching weight with another parametrization, a layer whose own forward
+            standardizes its weight (timm's ``StdConv2d`` family, transformers' BiT
+            convolution: it would cancel g, which would never train), or a bad weight (named).
         TypeError: a matching weight that is not a real floating-point Parameter.
 
     Example:

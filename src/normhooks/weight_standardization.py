@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import math
+import warnings
 from collections.abc import Callable, Sequence
 
 import torch
@@ -309,6 +310,19 @@ def _plan(
     weight = _parametrize.checked_tensor(module, name, _WHAT)
     if _is_standardized(module, name):
         raise ValueError(f"{describe(module, name)} is already standardized")
+    own = _parametrize.own_standardization(module) if name == "weight" else None
+    if own is not None and scaled:
+        raise ValueError(
+            f"{describe(module, name)} is a {own}, whose forward standardizes whatever weight "
+            "it is given: it would cancel the gain of Scaled WS, which would then never train. "
+            "The layer standardizes its weight itself (a ScaledStdConv2d with its own gain and "
+            "gamma): use it as it is, or build the model with plain convolutions"
+        )
+    if own is not None:
+        raise ValueError(
+            f"{describe(module, name)} is already standardized by its own forward ({own}); "
+            "standardizing it again would only repeat it"
+        )
     if weight is None:
         ndim = _parametrize.expected_ndim(module, name)
         if ndim is not None:
@@ -423,10 +437,15 @@ def apply_weight_standardization(
 
     Returns:
         ``model``. Layers already standardized are skipped; matching layers without a
-        ``weight`` Parameter (a bias-free container, say) are skipped too.
+        ``weight`` Parameter (a bias-free container, say) are skipped too. So are, with a
+        warning, layers whose own forward standardizes their weight (timm's ``StdConv2d``,
+        ``StdConv2dSame``, ``ScaledStdConv2d``, ``ScaledStdConv2dSame`` and subclasses,
+        transformers' BiT ``WeightStandardizedConv2d``): standardizing again would repeat it.
 
     Raises:
-        ValueError: no layer of ``model`` matches, or every match is already standardized.
+        ValueError: no layer of ``model`` matches, or every match is already standardized;
+            ``scaled=True`` on a layer that standardizes its own weight, which would cancel
+            the gain (it would never train).
 
     Example:
         >>> model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.GroupNorm(2, 8))
@@ -440,7 +459,8 @@ def apply_weight_standardization(
     _parametrize.refuse_wrapped(model, _WHAT)
     steps = []
     matched = already = 0
-    for layer in model.modules():
+    own: list[str] = []
+    for prefix, layer in model.named_modules():
         if _parametrize.is_internal(layer) or not isinstance(layer, types):
             continue
         torch_wn = _parametrize.torch_weight_norm(layer, "weight")
@@ -458,16 +478,28 @@ def apply_weight_standardization(
         if _is_standardized(layer, "weight"):
             already += 1
             continue
+        if not scaled and _parametrize.own_standardization(layer) is not None:
+            # Its forward standardizes the weight already; _plan refuses Scaled WS on it.
+            own.append(prefix or _parametrize.layer_name(layer))
+            continue
         steps.append(_plan(layer, "weight", eps, None, scaled, gamma))
     if not steps:
         names = ", ".join(t.__name__ for t in types)
         reason = (
             f"all {matched} matching layers are already standardized"
+            + (f" ({len(own)} by their own forward, as timm's StdConv2d)" if own else "")
             if matched
             else f"it has no layer of type {names} with a weight"
         )
         raise ValueError(f"nothing to standardize in {_parametrize.layer_name(model)}: {reason}")
     _parametrize.apply_all(steps)
+    if own:
+        warnings.warn(
+            f"apply_weight_standardization skipped {', '.join(own)}: their forward standardizes "
+            "the weight itself (timm's StdConv2d and its kin), and standardizing it again "
+            "would only repeat it",
+            stacklevel=2,
+        )
     return model
 
 
