@@ -12,6 +12,7 @@ import io
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
@@ -306,3 +307,49 @@ def test_wrapped_in_ddp_is_refused_with_the_order_to_follow(kind: Kind) -> None:
         kind.apply(fake)
     assert_unchanged(fake, params)
     assert parametrized_layers(model)
+
+
+@pytest.fixture
+def single_process_group(tmp_path: Path) -> Iterator[None]:
+    """A one-rank gloo process group, enough to build FSDP1 on the CPU."""
+    dist = pytest.importorskip("torch.distributed")
+    if not dist.is_available() or dist.is_initialized():
+        pytest.skip("needs torch.distributed without a process group already running")
+    dist.init_process_group(
+        "gloo", init_method=f"file://{tmp_path / 'group'}", rank=0, world_size=1
+    )
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.filterwarnings("ignore:FSDP is switching to use `NO_SHARD`:UserWarning")
+@pytest.mark.parametrize("orig_params", [False, True], ids=["flat", "use-orig-params"])
+@pytest.mark.parametrize(
+    "target",
+    [lambda wrapped: wrapped, lambda wrapped: wrapped.module, lambda wrapped: wrapped.module[0]],
+    ids=["root", "inner-model", "layer"],
+)
+def test_wrapped_in_fsdp1_is_refused_with_the_order_to_follow(
+    kind: Kind,
+    orig_params: bool,
+    target: Callable[[nn.Module], nn.Module],
+    single_process_group: None,
+) -> None:
+    """FSDP1 flattens the parameters it finds into FlatParameters and never sees new ones."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Conv2d(4, 2, 1))
+    wrapped = FullyShardedDataParallel(
+        model, device_id=torch.device("cpu"), use_orig_params=orig_params
+    )
+    module = target(wrapped)
+    params = list(wrapped.parameters())
+    x = torch.randn(1, 3, 6, 6)
+    expected = wrapped(x).detach()
+    match = r"(wrapped by|flattened by) FullyShardedDataParallel \(FSDP1\).* Apply .* before"
+    with pytest.raises(ValueError, match=match):
+        kind.apply(module, layer_types=nn.Conv2d)
+    assert_unchanged(wrapped, params)
+    torch.testing.assert_close(wrapped(x), expected, rtol=0, atol=0)

@@ -219,6 +219,7 @@ def checked_tensor(module: nn.Module, name: str, what: str) -> Tensor | None:
     elif name in module._parameters:
         weight = module._parameters[name]
     elif hasattr(module, name):
+        refuse_wrapped(module, what, getattr(module, name), name)
         found = type(getattr(module, name)).__name__
         raise TypeError(
             f"{describe(module, name)} must be a torch.nn.Parameter to apply {what}, got {found}"
@@ -282,13 +283,15 @@ def refuse_sparse(module: nn.Module, what: str) -> None:
 
 
 def refuse_wrapped(
-    module: nn.Module, what: str, tensor: Tensor | None = None, name: str = "weight"
+    module: nn.Module, what: str, tensor: object = None, name: str = "weight"
 ) -> None:
-    """Raises if ``module`` was already wrapped by DDP or ``fully_shard``.
+    """Raises if ``module`` was already wrapped by DDP, FSDP1 or ``fully_shard`` (FSDP2).
 
-    Both must come after the reparametrization: DDP attaches its gradient hooks to the
-    parameters it finds at construction and would never average new ones, and FSDP2 keeps
-    managing the old name while the new originals stay sharded DTensors outside forward.
+    All three must come after the reparametrization: DDP attaches its gradient hooks to the
+    parameters it finds at construction and would never average new ones, FSDP1 flattens
+    the parameters it finds into FlatParameters and leaves the layers views of them, and
+    FSDP2 keeps managing the old name while the new originals stay sharded DTensors outside
+    forward.
     """
     dtensor = sys.modules.get("torch.distributed.tensor")
     if tensor is not None and dtensor is not None and isinstance(tensor, dtensor.DTensor):
@@ -296,15 +299,35 @@ def refuse_wrapped(
             f"{describe(module, name)} is a DTensor: the model is already sharded by "
             f"fully_shard. Apply {what} before fully_shard"
         )
-    ddp = sys.modules.get("torch.nn.parallel.distributed")
-    if ddp is not None and any(
-        isinstance(m, ddp.DistributedDataParallel) for m in module.modules()
-    ):
+    if tensor is not None and _torch_compat.is_fsdp1_flattened(tensor):
         raise ValueError(
-            f"{layer_name(module)} is wrapped by DistributedDataParallel. Apply {what} "
-            "before wrapping: DDP only averages the gradients of the parameters it saw at "
-            "construction"
+            f"{describe(module, name)} was flattened by FullyShardedDataParallel (FSDP1): the "
+            f"model is already wrapped. Apply {what} before wrapping"
         )
+    ddp = sys.modules.get("torch.nn.parallel.distributed")
+    ddp_type = None if ddp is None else ddp.DistributedDataParallel
+    fsdp1 = _torch_compat.fsdp1_type()
+    for sub in module.modules():
+        if ddp_type is not None and isinstance(sub, ddp_type):
+            raise ValueError(
+                f"{layer_name(module)} is wrapped by DistributedDataParallel. Apply {what} "
+                "before wrapping: DDP only averages the gradients of the parameters it saw at "
+                "construction"
+            )
+        if fsdp1 is not None and (
+            isinstance(sub, fsdp1)
+            or any(_torch_compat.is_fsdp1_flattened(t) for t in _tensors_of(sub))
+        ):
+            raise ValueError(
+                f"{layer_name(module)} is wrapped by FullyShardedDataParallel (FSDP1). Apply "
+                f"{what} before wrapping: FSDP1 flattens the parameters it finds at "
+                "construction into FlatParameters and would never manage new ones"
+            )
+
+
+def _tensors_of(module: nn.Module) -> list[object]:
+    """A module's own parameters and plain tensor attributes (where FSDP1 leaves its views)."""
+    return [*module._parameters.values(), *vars(module).values()]
 
 
 # --- registration ---------------------------------------------------------------------------

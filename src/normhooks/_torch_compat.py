@@ -218,3 +218,29 @@ def load_state_dict_pre_hooks(module: nn.Module) -> list[object]:
 def state_dict_hooks(module: nn.Module) -> list[object]:
     """The state-dict post-hooks of ``module``, read only (``_state_dict_hooks``: 2.11, 2.13)."""
     return list(module._state_dict_hooks.values())
+
+
+# --- wrapped models, lazy modules and torch's legacy weight norm (the parametrizations) -------
+
+
+def fsdp1_type() -> Any:
+    """FSDP1's ``FullyShardedDataParallel`` class, or None while nothing has imported it."""
+    module = sys.modules.get("torch.distributed.fsdp.fully_sharded_data_parallel")
+    return None if module is None else module.FullyShardedDataParallel
+
+
+def is_fsdp1_flattened(tensor: object) -> bool:
+    """Whether FSDP1 flattened ``tensor`` into a FlatParameter, or made it a view of one.
+
+    FSDP1 marks its FlatParameters, and with ``use_orig_params=True`` the original Parameters
+    it re-registers as views, with ``_fsdp_flattened`` (``FSDP_FLATTENED``,
+    torch/distributed/fsdp/_common_utils.py: 2.11, 2.13); with ``use_orig_params=False`` the
+    layers keep plain tensor views of the FlatParameter, whose ``_base`` carries the mark.
+    """
+    if not isinstance(tensor, Tensor):
+        return False
+    base = tensor._base
+    return bool(
+        getattr(tensor, "_fsdp_flattened", False)
+        or (base is not None and getattr(base, "_fsdp_flattened", False))
+    )
