@@ -116,6 +116,20 @@ def test_deepcopy_is_independent(kind: Kind) -> None:
     assert not torch.allclose(clone(x), before)
 
 
+@pytest.mark.parametrize("baked", ["copy", "original"])
+def test_baking_one_of_two_deep_copies_leaves_the_other_converted(kind: Kind, baked: str) -> None:
+    """torch's removal deletes a property of the class, which deep copies share."""
+    model = converted(kind)
+    clone = copy.deepcopy(model)
+    x = x_for()
+    expected = model(x).detach()
+    kind.bake(clone if baked == "copy" else model)
+    kept = model if baked == "copy" else clone
+    assert len(parametrized_layers(kept)) == len(parametrized_layers(converted(kind)))
+    torch.testing.assert_close(kept(x), expected, rtol=0, atol=0)
+    torch.testing.assert_close((clone if baked == "copy" else model)(x), expected)
+
+
 def test_baked_model_loads_into_the_plain_model(kind: Kind) -> None:
     model = converted(kind)
     x = x_for()

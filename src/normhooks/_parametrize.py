@@ -130,6 +130,11 @@ def is_internal(module: nn.Module) -> bool:
     return isinstance(module, parametrize.ParametrizationList)
 
 
+class InertTorchHook:
+    """Marks a hook that normhooks registers in one of torch's hook types, so that torch's own
+    functions find it; normhooks never takes it for torch's."""
+
+
 def torch_weight_norm(module: nn.Module, name: str) -> Any:
     """torch's weight norm on ``module.<name>``: its ``_WeightNorm`` parametrization, its legacy
     forward pre-hook, or None.
@@ -142,14 +147,19 @@ def torch_weight_norm(module: nn.Module, name: str) -> Any:
     chain = parametrizations_of(module, name)
     if chain and type(chain[0]).__name__ == "_WeightNorm":
         return chain[0]
-    legacy = sys.modules.get("torch.nn.utils.weight_norm")
-    hook_type = getattr(legacy, "WeightNorm", None)
-    if hook_type is None:
-        return None
-    for hook in _torch_compat.forward_pre_hooks(module):
-        if isinstance(hook, hook_type) and getattr(hook, "name", None) == name:
+    for hook in _legacy_hooks(module):
+        if hook.name == name:
             return hook
     return None
+
+
+def _legacy_hooks(module: nn.Module) -> list[Any]:
+    """The hooks of torch's legacy weight norm on ``module``, not the inert ones of normhooks."""
+    return [
+        hook
+        for hook in _torch_compat.forward_pre_hooks(module)
+        if isinstance(hook, _torch_compat.LegacyWeightNorm) and not isinstance(hook, InertTorchHook)
+    ]
 
 
 def is_torch_legacy_weight_norm(found: object) -> bool:
@@ -160,12 +170,9 @@ def is_torch_legacy_weight_norm(found: object) -> bool:
 def torch_weight_norm_names(module: nn.Module) -> list[str]:
     """Names of ``module``'s tensors that carry torch's weight norm, of either kind."""
     names = [n for n in parametrized_names(module) if torch_weight_norm(module, n) is not None]
-    legacy = sys.modules.get("torch.nn.utils.weight_norm")
-    hook_type = getattr(legacy, "WeightNorm", None)
-    if hook_type is not None:
-        for hook in _torch_compat.forward_pre_hooks(module):
-            if isinstance(hook, hook_type) and hook.name not in names:
-                names.append(hook.name)
+    for hook in _legacy_hooks(module):
+        if hook.name not in names:
+            names.append(hook.name)
     return names
 
 
@@ -333,6 +340,25 @@ def _tensors_of(module: nn.Module) -> list[object]:
 # --- registration ---------------------------------------------------------------------------
 
 
+def register_parametrization(module: nn.Module, name: str, parametrization: nn.Module) -> None:
+    """torch's ``register_parametrization``, without touching a deep copy's original.
+
+    A new parametrized name adds a property to the module's class, which a deep copy shares
+    with the module it was copied from (see ``_torch_compat.own_parametrized_class``).
+    """
+    if parametrize.is_parametrized(module) and not parametrize.is_parametrized(module, name):
+        _torch_compat.own_parametrized_class(module)
+    parametrize.register_parametrization(module, name, parametrization)
+
+
+def remove_parametrizations(module: nn.Module, name: str, *, leave_parametrized: bool) -> None:
+    """torch's ``remove_parametrizations``, without breaking the module a deep copy was made
+    from (or the copies made from it): removal deletes a property of the shared class."""
+    if parametrize.is_parametrized(module, name):
+        _torch_compat.own_parametrized_class(module)
+    parametrize.remove_parametrizations(module, name, leave_parametrized=leave_parametrized)
+
+
 def register(module: nn.Module, name: str, parametrization: nn.Module) -> Undo:
     """Registers ``parametrization`` on ``module.<name>``; returns what undoes it exactly.
 
@@ -341,7 +367,7 @@ def register(module: nn.Module, name: str, parametrization: nn.Module) -> Undo:
     """
     stacked = parametrize.is_parametrized(module, name)
     before = module._parameters.get(name)
-    parametrize.register_parametrization(module, name, parametrization)
+    register_parametrization(module, name, parametrization)
 
     def undo() -> None:
         if stacked:
@@ -349,9 +375,9 @@ def register(module: nn.Module, name: str, parametrization: nn.Module) -> Undo:
             return
         single = hasattr(originals(module, name), "original")
         if single:
-            parametrize.remove_parametrizations(module, name, leave_parametrized=False)
+            remove_parametrizations(module, name, leave_parametrized=False)
             return
-        parametrize.remove_parametrizations(module, name, leave_parametrized=True)
+        remove_parametrizations(module, name, leave_parametrized=True)
         delattr(module, name)
         module.register_parameter(name, before)
 

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.nn.utils.weight_norm import WeightNorm as _LegacyWeightNorm
 from torch.utils.hooks import RemovableHandle
 
 # torch.nn.modules.conv's base classes (2.11, 2.13): every Conv*/LazyConv* and every
@@ -244,3 +245,24 @@ def is_fsdp1_flattened(tensor: object) -> bool:
         getattr(tensor, "_fsdp_flattened", False)
         or (base is not None and getattr(base, "_fsdp_flattened", False))
     )
+
+
+# The hook class of the legacy ``torch.nn.utils.weight_norm`` (2.11, 2.13): a forward pre-hook
+# object with ``name`` and ``dim``, whose ``remove(module)`` torch's ``remove_weight_norm``
+# calls on the first such hook with the parameter's name before deleting it from
+# ``module._forward_pre_hooks`` by its key.
+LegacyWeightNorm = _LegacyWeightNorm
+
+
+def own_parametrized_class(module: nn.Module) -> None:
+    """Gives a parametrized module a ``Parametrized<Class>`` class of its own (2.11, 2.13).
+
+    ``torch.nn.utils.parametrize`` keeps one property per parametrized tensor on the class it
+    swaps in, and adds or deletes them on ``module.__class__``; a deep copy shares that class
+    object with the module it was copied from (the class's ``__deepcopy__`` builds the copy
+    with ``self.__class__``). Removing a parametrization from a copy would then delete the
+    property of the original too, and break its next forward.
+    """
+    cls = type(module)
+    namespace = {k: v for k, v in vars(cls).items() if k not in ("__dict__", "__weakref__")}
+    module.__class__ = type(cls.__name__, cls.__bases__, namespace)

@@ -23,6 +23,7 @@ from typing import Any, TypeVar
 import torch
 from torch import Tensor, nn
 from torch.nn.utils import parametrize
+from torch.utils.hooks import RemovableHandle
 
 from normhooks import _checks, _kernels, _parametrize, _torch_compat
 from normhooks._parametrize import Undo, describe, layer_name
@@ -342,6 +343,44 @@ def _install_key_hooks(module: nn.Module, name: str, *, save_legacy: bool) -> No
         module.register_state_dict_post_hook(_SaveLegacyKeys(name))  # type: ignore[no-untyped-call]
 
 
+class _LegacyRemoval(_torch_compat.LegacyWeightNorm, _parametrize.InertTorchHook):
+    """What torch's legacy ``remove_weight_norm`` finds on a layer whose legacy weight norm
+    normhooks took over: an inert forward pre-hook of torch's hook type.
+
+    Inference code of models built on ``torch.nn.utils.weight_norm`` (HiFi-GAN, MelGAN and
+    many vocoders) folds the weight norm with ``torch.nn.utils.remove_weight_norm``, which
+    looks for that hook and calls its ``remove``: here that folds normhooks' weight norm, as
+    :func:`remove_weight_norm` does. The parametrization computes the weight, so the hook does
+    nothing at a forward, except remove itself once the parametrization is gone (folded by
+    ``torch.nn.utils.parametrize.remove_parametrizations``), so that torch's weight norm can
+    be applied again.
+    """
+
+    def __init__(self, name: str, dim: int | None) -> None:
+        super().__init__(name, -1 if dim is None else dim)
+        self.handle: RemovableHandle | None = None
+
+    def compute_weight(self, module: nn.Module) -> Tensor:
+        weight: Tensor = getattr(module, self.name)
+        return weight
+
+    def remove(self, module: nn.Module) -> None:
+        # torch deletes this hook from the module's hook dict right after.
+        if _normhooks_weight_norm(module, self.name) is not None:
+            _fold_parametrization(module, self.name)
+
+    def __call__(self, module: nn.Module, inputs: Any) -> None:
+        if not parametrize.is_parametrized(module, self.name) and self.handle is not None:
+            self.handle.remove()
+
+
+def _legacy_removal(module: nn.Module, name: str) -> _LegacyRemoval | None:
+    for hook in _torch_compat.forward_pre_hooks(module):
+        if isinstance(hook, _LegacyRemoval) and hook.name == name:
+            return hook
+    return None
+
+
 # --- planning and registering ---------------------------------------------------------------
 
 
@@ -485,10 +524,12 @@ def _take_over_legacy(
         module.register_parameter(name, nn.Parameter(v.detach().clone(), v.requires_grad))
         wn = WeightNorm(axis, eps)
         wn.legacy_keys = True
-        parametrize.register_parametrization(module, name, wn)
+        _parametrize.register_parametrization(module, name, wn)
         chain = _parametrize.originals(module, name)
         chain.original0, chain.original1 = g, v
         _install_key_hooks(module, name, save_legacy=True)
+        removal = _LegacyRemoval(name, axis)
+        removal.handle = module.register_forward_pre_hook(removal)
     except BaseException:
         _untake_legacy(module, name, g, v, stale, restore_hook)
         raise
@@ -508,7 +549,10 @@ def _untake_legacy(
     restore_hook: Callable[[], None],
 ) -> None:
     if parametrize.is_parametrized(module, name):
-        parametrize.remove_parametrizations(module, name, leave_parametrized=True)
+        _parametrize.remove_parametrizations(module, name, leave_parametrized=True)
+    removal = _legacy_removal(module, name)
+    if removal is not None and removal.handle is not None:
+        removal.handle.remove()
     module._parameters.pop(name, None)
     module.register_parameter(f"{name}_g", g)
     module.register_parameter(f"{name}_v", v)
@@ -818,10 +862,17 @@ def _remover(module: nn.Module, name: str) -> Callable[[], None]:
 
 
 def _fold(module: nn.Module, name: str) -> None:
+    _fold_parametrization(module, name)
+    removal = _legacy_removal(module, name)
+    if removal is not None and removal.handle is not None:
+        removal.handle.remove()
+
+
+def _fold_parametrization(module: nn.Module, name: str) -> None:
     v = _parametrize.original(module, name, "original1")
     with torch.no_grad():
         weight = getattr(module, name).clone()
-    parametrize.remove_parametrizations(module, name, leave_parametrized=True)
+    _parametrize.remove_parametrizations(module, name, leave_parametrized=True)
     with torch.no_grad():
         v.copy_(weight)
     delattr(module, name)

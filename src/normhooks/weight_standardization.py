@@ -588,7 +588,7 @@ def _remove(module: nn.Module, name: str, bake: bool) -> None:
     if len(chain) > 1:
         del _parametrize.originals(module, name)[-1]
         return
-    parametrize.remove_parametrizations(module, name, leave_parametrized=bake)
+    _parametrize.remove_parametrizations(module, name, leave_parametrized=bake)
     if bake:
         weight = module._parameters[name]
         if weight is not None and not weight.is_contiguous():
