@@ -25,7 +25,7 @@ from torch import Tensor, nn
 from torch.nn.utils import parametrize
 from torch.utils.hooks import RemovableHandle
 
-from normhooks import _torch_compat
+from normhooks import _optimizer_watch, _torch_compat
 from normhooks._torch_compat import ConvNd, ConvTransposeNd
 
 Undo = Callable[[], None]
@@ -126,8 +126,9 @@ def original(module: nn.Module, name: str, which: str) -> nn.Parameter:
 
 
 def is_internal(module: nn.Module) -> bool:
-    """Modules that hold the originals of parametrizations, which are never converted."""
-    return isinstance(module, parametrize.ParametrizationList)
+    """Modules that hold the originals of parametrizations, or a lazy layer's placeholders,
+    which are never converted."""
+    return isinstance(module, (parametrize.ParametrizationList, _Pending))
 
 
 class InertTorchHook:
@@ -353,25 +354,59 @@ def register_parametrization(module: nn.Module, name: str, parametrization: nn.M
 
 def remove_parametrizations(module: nn.Module, name: str, *, leave_parametrized: bool) -> None:
     """torch's ``remove_parametrizations``, without breaking the module a deep copy was made
-    from (or the copies made from it): removal deletes a property of the shared class."""
+    from (or the copies made from it): removal deletes a property of the shared class.
+
+    The conversions that added the Parameters removed here are no longer watched for.
+    """
     if parametrize.is_parametrized(module, name):
+        _optimizer_watch.forget(list(originals(module, name).parameters()))
         _torch_compat.own_parametrized_class(module)
     parametrize.remove_parametrizations(module, name, leave_parametrized=leave_parametrized)
 
 
-def register(module: nn.Module, name: str, parametrization: nn.Module) -> Undo:
+def remove_outermost(module: nn.Module, name: str) -> None:
+    """Removes the outermost of several parametrizations of ``module.<name>``."""
+    chain = originals(module, name)
+    _optimizer_watch.forget(list(chain[-1].parameters()))
+    del chain[-1]
+
+
+def _behind(module: nn.Module, name: str) -> list[Tensor]:
+    """The Parameters that ``module.<name>`` is computed from: itself, or the originals of its
+    parametrizations and their own Parameters."""
+    if parametrize.is_parametrized(module, name):
+        return list(originals(module, name).parameters())
+    found = module._parameters.get(name)
+    return [] if found is None else [found]
+
+
+def register(
+    module: nn.Module, name: str, parametrization: nn.Module, what: str, *, watch: bool = True
+) -> Undo:
     """Registers ``parametrization`` on ``module.<name>``; returns what undoes it exactly.
 
     The undo puts back the very Parameter object that was there (and its values), so a
-    conversion that fails half way leaves optimizers and tied modules as they were.
+    conversion that fails half way leaves optimizers and tied modules as they were. With
+    ``watch``, an optimizer that holds the Parameters ``module.<name>`` had but not those the
+    registration added (a gain, new originals) raises at its step: it was built before.
     """
     stacked = parametrize.is_parametrized(module, name)
     before = module._parameters.get(name)
+    held = _behind(module, name)
     register_parametrization(module, name, parametrization)
+    forget = None
+    if watch:
+        now = _behind(module, name)
+        held_ids, now_ids = {id(t) for t in held}, {id(t) for t in now}
+        added = [t for t in now if id(t) not in held_ids]
+        retired = [t for t in held if id(t) not in now_ids]
+        forget = _optimizer_watch.watch(module, name, what, held, added, retired)
 
     def undo() -> None:
+        if forget is not None:
+            forget()
         if stacked:
-            del originals(module, name)[-1]
+            remove_outermost(module, name)
             return
         single = hasattr(originals(module, name), "original")
         if single:
@@ -400,36 +435,136 @@ def apply_all(steps: Sequence[Callable[[], Undo]]) -> None:
         raise
 
 
+# --- lazy modules ---------------------------------------------------------------------------
+
+# The child module of a lazy layer that holds, until its first forward, the Parameters that
+# a pending registration will add.
+_PENDING = "_normhooks_pending"
+
+Companions = dict[str, nn.Parameter]
+
+
+class _Pending(_torch_compat.StatelessModule):
+    """Holds the Parameters that pending registrations will add to a lazy layer, each still an
+    ``nn.UninitializedParameter``, so that ``model.parameters()`` yields them and an optimizer
+    built before the first forward holds them. State dicts leave it out: a checkpoint of the
+    pending model is the lazy model's."""
+
+
+def materialized(placeholder: nn.Parameter, value: Tensor) -> nn.Parameter:
+    """``placeholder``, the same Parameter object, now holding a copy of ``value``.
+
+    Materializing in place is what keeps an optimizer that already holds it working, as
+    torch's lazy modules do with their own weights.
+    """
+    with torch.no_grad():
+        if isinstance(placeholder, nn.UninitializedParameter):
+            placeholder.materialize(value.shape, device=value.device, dtype=value.dtype)
+        else:  # materialized by an earlier registration that failed after it
+            placeholder.data = torch.empty_like(value)
+        placeholder.copy_(value)
+    return placeholder
+
+
 class _Deferred:
     """Forward pre-hook that registers a parametrization once a lazy weight is materialized.
 
     It runs after the lazy module's own pre-hook (hooks run in registration order), which
-    has created the weight by then, and removes itself before registering. A registration
-    that fails raises from that forward and stays pending, so the next forward raises again
-    instead of running the layer without its reparametrization.
+    has created the weight by then, hands the registration its companions (the placeholder
+    Parameters made at conversion, found by name, so copies find their own), and removes
+    itself once it has registered. A registration that fails raises from that forward and
+    stays pending, so the next forward raises again instead of running the layer without its
+    reparametrization.
     """
 
-    def __init__(self, name: str, register: Callable[[nn.Module], object], marker: str) -> None:
+    def __init__(
+        self,
+        name: str,
+        register: Callable[..., object],
+        marker: str,
+        companions: tuple[str, ...],
+    ) -> None:
         self.name = name
         self.register = register
         self.marker = marker
+        self.companions = companions
         self.handle: RemovableHandle | None = None
+
+    def placeholder_names(self) -> list[str]:
+        """The names of its placeholders in the module's placeholder holder."""
+        return [f"{self.name}_{role}" for role in self.companions]
 
     def __call__(self, module: nn.Module, args: tuple[Any, ...]) -> None:
         if any(is_uninitialized(p) for p in module.parameters(recurse=False)):
             return
-        self.register(module)
+        holder = module._modules.get(_PENDING)
+        found: Companions = {}
+        for role, key in zip(self.companions, self.placeholder_names(), strict=True):
+            param = None if holder is None else holder._parameters.get(key)
+            if param is None:
+                raise RuntimeError(
+                    f"{describe(module, self.name)} lost the Parameter {_PENDING}.{key} that "
+                    f"its pending {self.marker} registration needs"
+                )
+            found[role] = param
+        self.register(module, companions=found)
+        self.cancel(module)
+
+    def cancel(self, module: nn.Module) -> None:
+        """Removes this hook and the placeholders it would have handed on."""
         if self.handle is not None:
             self.handle.remove()
+        holder = module._modules.get(_PENDING)
+        if holder is None:
+            return
+        for key in self.placeholder_names():
+            holder._parameters.pop(key, None)
+        if not holder._parameters:
+            del module._modules[_PENDING]
 
 
 def defer(
-    module: nn.Module, name: str, register: Callable[[nn.Module], object], marker: str
+    module: nn.Module,
+    name: str,
+    register: Callable[..., object],
+    marker: str,
+    what: str,
+    companions: Sequence[str] = (),
 ) -> Undo:
-    """Runs ``register(module)`` at the first forward, when ``module.<name>`` exists."""
-    hook = _Deferred(name, register, marker)
+    """Runs ``register(module, companions=...)`` at the first forward, once ``module.<name>``
+    exists.
+
+    ``companions`` names the Parameters the registration will add (WN's ``g``, Scaled WS's
+    ``gain``): each is made now, uninitialized, in a child of ``module``, so an optimizer
+    built before the first forward holds it, and handed to ``register`` by role, for it to
+    materialize in place (:func:`materialized`). An optimizer that holds ``module.<name>``
+    but not them raises at its step.
+    """
+    lazy = module._parameters[name]
+    assert lazy is not None  # checked_tensor refused None
+    holder = module._modules.get(_PENDING)
+    if companions and holder is None:
+        holder = _Pending()
+        module.add_module(_PENDING, holder)
+    made = []
+    for role in companions:
+        # torch's stubs give UninitializedParameter neither device nor dtype (2.13), which its
+        # __new__ takes, and do not make it a Parameter, which it is.
+        placeholder: nn.Parameter = nn.UninitializedParameter(  # type: ignore[call-arg,assignment]
+            requires_grad=lazy.requires_grad, device=lazy.device, dtype=lazy.dtype
+        )
+        assert holder is not None
+        holder.register_parameter(f"{name}_{role}", placeholder)
+        made.append(placeholder)
+    hook = _Deferred(name, register, marker, tuple(companions))
     hook.handle = module.register_forward_pre_hook(hook)
-    return hook.handle.remove
+    forget = _optimizer_watch.watch(module, name, what, [lazy], made)
+
+    def undo() -> None:
+        forget()
+        hook.cancel(module)
+
+    return undo
 
 
 def pending(module: nn.Module, name: str, marker: str) -> bool:
@@ -447,11 +582,15 @@ def pending_markers(module: nn.Module, name: str) -> set[str]:
 
 
 def cancel_pending(module: nn.Module, name: str, marker: str) -> bool:
-    """Removes a pending registration; returns whether there was one."""
+    """Removes a pending registration and its placeholders; returns whether there was one."""
     hook = _find_deferred(module, name, marker)
-    if hook is None or hook.handle is None:
+    if hook is None:
         return False
-    hook.handle.remove()
+    holder = module._modules.get(_PENDING)
+    if holder is not None:
+        names = hook.placeholder_names()
+        _optimizer_watch.forget([p for n, p in holder.named_parameters() if n in names])
+    hook.cancel(module)
     return True
 
 

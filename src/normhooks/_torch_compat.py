@@ -266,3 +266,18 @@ def own_parametrized_class(module: nn.Module) -> None:
     cls = type(module)
     namespace = {k: v for k, v in vars(cls).items() if k not in ("__dict__", "__weakref__")}
     module.__class__ = type(cls.__name__, cls.__bases__, namespace)
+
+
+class StatelessModule(nn.Module):
+    """A module that state dicts leave out: it saves nothing and loads nothing (2.11, 2.13).
+
+    ``state_dict`` and ``load_state_dict`` call ``_save_to_state_dict`` and
+    ``_load_from_state_dict`` on every submodule for its own tensors (``LazyModuleMixin``
+    overrides them too); its children, if any, still save and load their own.
+    """
+
+    def _save_to_state_dict(self, destination: Any, prefix: str, keep_vars: bool) -> None:
+        return None
+
+    def _load_from_state_dict(self, *args: Any, **kwargs: Any) -> None:
+        return None

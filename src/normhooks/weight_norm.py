@@ -433,22 +433,39 @@ def _plan(module: nn.Module, name: str, dim: int | None, eps: float, *, strict_d
         if ndim is not None:
             _axis(module, name, ndim, dim)
         register = functools.partial(_register, name=name, dim=dim, eps=eps)
-        return lambda: _parametrize.defer(module, name, register, _MARKER)
+        return lambda: _parametrize.defer(module, name, register, _MARKER, _WHAT, ("g",))
     _axis(module, name, weight.ndim, dim)
     return functools.partial(_register, module, name, dim, eps)
 
 
-def _register(module: nn.Module, name: str, dim: int | None, eps: float) -> Undo:
+def _register(
+    module: nn.Module,
+    name: str,
+    dim: int | None,
+    eps: float,
+    companions: _parametrize.Companions | None = None,
+) -> Undo:
     """Weight-normalizes ``module.<name>``, which exists (a lazy module's, by its first forward).
 
     g and v are new Parameters; the old weight Parameter keeps its values, so a module that
-    shares (ties) it is unaffected.
+    shares (ties) it is unaffected. A lazy module's conversion, with the placeholder for g
+    made at conversion (``companions``), keeps the Parameters an optimizer built before the
+    first forward holds: g is that placeholder, and v the lazy weight, rewritten in place.
     """
     weight = _parametrize.checked_tensor(module, name, _WHAT)
     if weight is None:
         raise ValueError(f"{describe(module, name)} is still uninitialized")
     axis = _axis(module, name, weight.ndim, dim)
-    undo = _parametrize.register(module, name, WeightNorm(axis, eps))
+    lazy = companions is not None
+    undo = _parametrize.register(module, name, WeightNorm(axis, eps), _WHAT, watch=not lazy)
+    if companions is not None:
+        g = _parametrize.materialized(
+            companions["g"], _parametrize.original(module, name, "original0")
+        )
+        with torch.no_grad():
+            weight.copy_(_parametrize.original(module, name, "original1"))
+        chain = _parametrize.originals(module, name)
+        chain.original0, chain.original1 = g, weight
     _install_key_hooks(module, name, save_legacy=False)
     return undo
 
@@ -574,8 +591,12 @@ def weight_norm(module: M, name: str = "weight", *, dim: int | None = 0, eps: fl
     ``<name>_v``) load too. At conversion :math:`v = W / (\|W\| + \epsilon)` (unit rows, as
     in the Chainer original, so an optimizer takes its steps; torch keeps :math:`v = W`) and
     :math:`g = \|W\| + \epsilon`: the module's output is unchanged. A zero row of v gives a
-    zero row of W, never NaN. On a lazy module the parametrization is registered at the first
-    forward, once the weight exists. To convert a whole model, use :func:`apply_weight_norm`.
+    zero row of W, never NaN. g and v are new Parameters, like torch's, which an optimizer
+    built before the conversion does not hold: build the optimizer after converting; one that
+    still holds the old weight raises at its step. On a lazy module the parametrization is
+    registered at the first forward, once the weight exists, and an optimizer built before
+    then keeps working: g is created at conversion, uninitialized, and v is the lazy weight
+    itself, rewritten in place. To convert a whole model, use :func:`apply_weight_norm`.
 
     A parameter that already carries torch's weight norm (either form) is taken over in
     place: same g and v Parameters, same values, same state-dict keys; only the formula

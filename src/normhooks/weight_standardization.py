@@ -330,14 +330,31 @@ def _plan(
         register = functools.partial(
             _register, name=name, eps=eps, dim=dim, scaled=scaled, gamma=gamma
         )
-        return lambda: _parametrize.defer(module, name, register, _MARKER)
+        companions = ("gain",) if scaled else ()
+        return lambda: _parametrize.defer(
+            module, name, register, _MARKER, _what(scaled), companions
+        )
     return functools.partial(_register, module, name, eps, dim, scaled, gamma)
 
 
+def _what(scaled: bool) -> str:
+    return "Scaled WS" if scaled else _WHAT
+
+
 def _register(
-    module: nn.Module, name: str, eps: float, dim: int | None, scaled: bool, gamma: float
+    module: nn.Module,
+    name: str,
+    eps: float,
+    dim: int | None,
+    scaled: bool,
+    gamma: float,
+    companions: _parametrize.Companions | None = None,
 ) -> _parametrize.Undo:
-    """Standardizes ``module.<name>``, which exists (a lazy module's, by its first forward)."""
+    """Standardizes ``module.<name>``, which exists (a lazy module's, by its first forward).
+
+    On a lazy module, Scaled WS's gain is the placeholder made at conversion
+    (``companions``), so an optimizer built before the first forward trains it.
+    """
     weight = _parametrize.checked_tensor(module, name, _WHAT)
     if weight is None:
         raise ValueError(f"{describe(module, name)} is still uninitialized")
@@ -353,9 +370,15 @@ def _register(
             device=weight.device,
             dtype=weight.dtype,
         )
+        if companions is not None:
+            parametrization.gain = _parametrize.materialized(
+                companions["gain"], parametrization.gain
+            )
     else:
         parametrization = WeightStandardization(eps, axis, groups=groups)
-    return _parametrize.register(module, name, parametrization)
+    return _parametrize.register(
+        module, name, parametrization, _what(scaled), watch=companions is None
+    )
 
 
 def weight_standardization(
@@ -372,9 +395,14 @@ def weight_standardization(
     Registers a :class:`WeightStandardization` (or, with ``scaled=True``, a
     :class:`ScaledWeightStandardization`) parametrization on the parameter. The raw weight
     stays the same Parameter object, under ``module.parametrizations.<name>.original``, so an
-    existing optimizer keeps working. On a lazy module (``LazyConv2d``, ``LazyLinear``, ...)
-    the parametrization is registered at the first forward, once the weight exists. To
-    convert a whole model, use :func:`apply_weight_standardization`.
+    existing optimizer keeps updating it. Scaled WS adds a Parameter, the gain, which an
+    optimizer built before the conversion does not hold: build the optimizer after
+    converting (or add the gains with ``optimizer.add_param_group``); an optimizer that holds
+    the raw weight and no optimizer the gain raises at its second step. On a lazy module
+    (``LazyConv2d``, ``LazyLinear``, ...) the parametrization is registered at the first
+    forward, once the weight exists; the gain is created at conversion, uninitialized, so an
+    optimizer built before the first forward trains it. To convert a whole model, use
+    :func:`apply_weight_standardization`.
 
     Args:
         module: the layer that owns the weight.
@@ -586,7 +614,7 @@ def _check_removable(module: nn.Module, name: str, bake: bool) -> None:
 def _remove(module: nn.Module, name: str, bake: bool) -> None:
     chain = _parametrize.parametrizations_of(module, name)
     if len(chain) > 1:
-        del _parametrize.originals(module, name)[-1]
+        _parametrize.remove_outermost(module, name)
         return
     _parametrize.remove_parametrizations(module, name, leave_parametrized=bake)
     if bake:
