@@ -6,8 +6,8 @@ Refusing every conversion of a model whose parameters some optimizer might hold 
 the correct uses too (build the model, convert it, then build the optimizer), so the check is
 made where the mistake shows: a global optimizer step pre-hook, installed by the first
 conversion that adds a Parameter, looks at each optimizer once per layout of its param groups
-(and again after each conversion or removal) for a Parameter that a conversion replaced or
-added to, without the Parameters it added.
+(and again after each conversion) for a Parameter that a conversion replaced or added to,
+without the Parameters it added.
 
 The hook holds no strong reference (weak references to the tensors, the modules and the
 optimizers), never reads a tensor, does nothing under ``torch.compile``, and costs a lookup
@@ -49,7 +49,6 @@ class _Conversion:
         self.retired = {id(t) for t in retired}
         self.keys = [id(t) for t in before]
         self.added_keys = [id(t) for t in added]
-        self.generation = _generation + 1
 
     def _gone(self, ref: weakref.ref[Tensor]) -> None:
         _forget(self)
@@ -60,15 +59,16 @@ class _Conversion:
 # object is gone).
 _conversions: dict[int, list[_Conversion]] = {}
 _by_added: dict[int, list[_Conversion]] = {}
-# Bumped by every change above, so that an optimizer is looked at again.
+# Bumped by every conversion recorded, so that every optimizer is looked at again (one that
+# was right stays right when a conversion is forgotten).
 _generation = 0
 # Per optimizer: the (generation, layout) it was last found right at.
 _checked: weakref.WeakKeyDictionary[torch.optim.Optimizer, tuple[int, ...]] = (
     weakref.WeakKeyDictionary()
 )
-# Per optimizer: the (generation, layout) at which a still-live Parameter was found without
-# its additions, and held by no optimizer looked at so far.
-_suspected: weakref.WeakKeyDictionary[torch.optim.Optimizer, tuple[int, ...]] = (
+# Per optimizer: the conversions whose still-live Parameters it was found to hold without
+# their additions, which no optimizer looked at so far held either.
+_suspected: weakref.WeakKeyDictionary[torch.optim.Optimizer, list[_Conversion]] = (
     weakref.WeakKeyDictionary()
 )
 _hook: RemovableHandle | None = None
@@ -109,7 +109,6 @@ def forget(tensors: Sequence[Tensor]) -> None:
 
 
 def _forget(conversion: _Conversion) -> None:
-    global _generation
     for index, keys in ((_conversions, conversion.keys), (_by_added, conversion.added_keys)):
         for key in keys:
             found = index.get(key, [])
@@ -117,7 +116,6 @@ def _forget(conversion: _Conversion) -> None:
                 found.remove(conversion)
             if not found:
                 index.pop(key, None)
-    _generation += 1
 
 
 def _layout(optimizer: torch.optim.Optimizer) -> tuple[int, ...]:
@@ -132,26 +130,26 @@ def _check(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     if _checked.get(optimizer) == layout:
         return
     held = {id(p) for group in optimizer.param_groups for p in group["params"]}
-    missed = _missed(held) if _conversions else None
-    if missed is None:
+    missed = _missed(held) if _conversions else []
+    if not missed:
         _checked[optimizer] = layout
         _suspected.pop(optimizer, None)
         return
-    conversion, before, missing = missed
-    last = _checked.get(optimizer)
-    existed = last is not None and last[0] < conversion.generation
-    if not existed and id(before) not in conversion.retired and _suspected.get(optimizer) != layout:
-        # The Parameter is still the model's and this optimizer was not seen before the
-        # conversion: another optimizer may train the additions and not have stepped yet. If
-        # none has by this optimizer's next step, this one was built before the conversion.
-        _suspected[optimizer] = layout
-        return
-    raise ValueError(_message(optimizer, conversion, missing))
+    suspected = _suspected.get(optimizer, [])
+    for conversion, before, missing in missed:
+        if id(before) in conversion.retired or conversion in suspected:
+            raise ValueError(_message(optimizer, conversion, missing))
+    # Each Parameter is still the model's: another optimizer may train the additions (one
+    # built for them after the conversion) and not have stepped yet. If none has by this
+    # optimizer's next step, this one was built before the conversion and is alone.
+    _suspected[optimizer] = [conversion for conversion, _, _ in missed]
 
 
-def _missed(held: set[int]) -> tuple[_Conversion, Tensor, list[Tensor]] | None:
-    """The first conversion whose replaced Parameter is ``held`` while an addition (that
-    requires grad) is held neither there nor by any optimizer found right so far."""
+def _missed(held: set[int]) -> list[tuple[_Conversion, Tensor, list[Tensor]]]:
+    """The conversions whose replaced Parameter is ``held`` while an addition (that requires
+    grad) is held neither there nor by any optimizer found right so far, with that Parameter
+    and those additions."""
+    found = []
     elsewhere: set[int] | None = None
     for key in held & _conversions.keys():
         for conversion in _conversions[key]:
@@ -169,8 +167,8 @@ def _missed(held: set[int]) -> tuple[_Conversion, Tensor, list[Tensor]] | None:
                 }
             missing = [t for t in missing if elsewhere is None or id(t) not in elsewhere]
             if missing:
-                return conversion, before, missing
-    return None
+                found.append((conversion, before, missing))
+    return found
 
 
 def _message(
