@@ -312,11 +312,16 @@ def _plan(
         raise ValueError(f"{describe(module, name)} is already standardized")
     own = _parametrize.own_standardization(module) if name == "weight" else None
     if own is not None and scaled:
+        remedy = (
+            "it applies Scaled WS itself, with its own gain and gamma: use it as it is"
+            if "Scaled" in own
+            else "it applies plain WS itself: keep it that way (plain WS leaves it alone), or "
+            "build the model with plain convolutions for Scaled WS"
+        )
         raise ValueError(
             f"{describe(module, name)} is a {own}, whose forward standardizes whatever weight "
-            "it is given: it would cancel the gain of Scaled WS, which would then never train. "
-            "The layer standardizes its weight itself (a ScaledStdConv2d with its own gain and "
-            "gamma): use it as it is, or build the model with plain convolutions"
+            "it is given: it would cancel the gain of Scaled WS, which would then never train; "
+            + remedy
         )
     if own is not None:
         raise ValueError(
