@@ -177,6 +177,24 @@ def torch_weight_norm_names(module: nn.Module) -> list[str]:
     return names
 
 
+def weight_norm_axis(module: nn.Module, name: str) -> tuple[bool, int | None]:
+    """Whether ``module.<name>`` is computed by a weight norm, torch's or normhooks', and the
+    axis of the weight its g runs along (None: one g for the whole tensor).
+
+    Both register a parametrization with two originals, g and v, innermost; torch's stores
+    ``dim=-1`` for the whole tensor, normhooks' ``None`` (a negative ``dim`` counts from the
+    end there).
+    """
+    chain = parametrizations_of(module, name)
+    if not chain or not hasattr(originals(module, name), "original1"):
+        return False, None
+    dim = getattr(chain[0], "dim", None)
+    ndim = original(module, name, "original1").ndim
+    if dim is None or (dim == -1 and torch_weight_norm(module, name) is not None):
+        return True, None
+    return True, int(dim) % ndim
+
+
 def has_torch_weight_norm(module: nn.Module, name: str) -> bool:
     """Whether ``module.<name>`` carries torch's weight norm, either of its two forms."""
     return torch_weight_norm(module, name) is not None

@@ -328,6 +328,7 @@ def _plan(
             f"{describe(module, name)} is already standardized by its own forward ({own}); "
             "standardizing it again would only repeat it"
         )
+    _refuse_weight_norm_underneath(module, name, weight, dim)
     if weight is None:
         ndim = _parametrize.expected_ndim(module, name)
         if ndim is not None:
@@ -344,6 +345,31 @@ def _plan(
 
 def _what(scaled: bool) -> str:
     return "Scaled WS" if scaled else _WHAT
+
+
+def _refuse_weight_norm_underneath(
+    module: nn.Module, name: str, weight: Tensor | None, dim: int | None
+) -> None:
+    """Raises where standardization would cancel the g of a weight norm beneath it.
+
+    Standardizing a slice removes its scale, so a g that is one number over each standardized
+    slice (the usual layout: g per output channel, or one g for the whole tensor) has no
+    effect on the weight, and a gradient of about zero: it would never train.
+    """
+    pending_wn = "weight_norm" in _parametrize.pending_markers(module, name)
+    found, wn_axis = _parametrize.weight_norm_axis(module, name)
+    if not (found or pending_wn):
+        return
+    if found and weight is not None:
+        axis, _ = _resolve(module, name, weight.ndim, dim)
+        if wn_axis is not None and wn_axis != axis:
+            return  # g varies within each standardized slice: nothing cancels it
+    raise ValueError(
+        f"{describe(module, name)} is weight-normalized"
+        + (" at its first forward" if pending_wn and not found else "")
+        + "; standardizing g * v / ||v|| slice by slice would cancel g, which would then never "
+        "train. Use one of the two, or remove the weight norm first (remove_weight_norm)"
+    )
 
 
 def _register(
@@ -501,9 +527,8 @@ def apply_weight_standardization(
             raise ValueError(
                 f"{describe(layer, 'weight')} carries torch's legacy weight norm "
                 "(torch.nn.utils.weight_norm), which recomputes the weight in a forward "
-                "pre-hook; weight standardization cannot stack on it. Take it over with "
-                "normhooks.apply_weight_norm(model) first (it becomes a parametrization that "
-                "standardization stacks on), or remove it"
+                "pre-hook; weight standardization cannot stack on it (and would cancel its g). "
+                "Remove it first (torch.nn.utils.remove_weight_norm), or leave the layer out"
             )
         if "weight" not in layer._parameters and not parametrize.is_parametrized(layer, "weight"):
             continue
