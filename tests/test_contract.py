@@ -12,6 +12,7 @@ import io
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
@@ -115,6 +116,20 @@ def test_deepcopy_is_independent(kind: Kind) -> None:
     assert not torch.allclose(clone(x), before)
 
 
+@pytest.mark.parametrize("baked", ["copy", "original"])
+def test_baking_one_of_two_deep_copies_leaves_the_other_converted(kind: Kind, baked: str) -> None:
+    """torch's removal deletes a property of the class, which deep copies share."""
+    model = converted(kind)
+    clone = copy.deepcopy(model)
+    x = x_for()
+    expected = model(x).detach()
+    kind.bake(clone if baked == "copy" else model)
+    kept = model if baked == "copy" else clone
+    assert len(parametrized_layers(kept)) == len(parametrized_layers(converted(kind)))
+    torch.testing.assert_close(kept(x), expected, rtol=0, atol=0)
+    torch.testing.assert_close((clone if baked == "copy" else model)(x), expected)
+
+
 def test_baked_model_loads_into_the_plain_model(kind: Kind) -> None:
     model = converted(kind)
     x = x_for()
@@ -145,6 +160,100 @@ def test_lazy_model_is_converted_at_its_first_forward(kind: Kind) -> None:
     eager(x)
     torch.testing.assert_close(first, kind.apply(eager)(x), rtol=0, atol=0)
     assert len(parametrized_layers(lazy)) == len(parametrized_layers(eager))
+
+
+def lazy_cnn() -> nn.Sequential:
+    """Every lazy layer kind the reparametrizations convert by default."""
+    return nn.Sequential(
+        nn.LazyConv2d(4, 3),
+        nn.GroupNorm(2, 4),
+        nn.ReLU(),
+        nn.LazyConvTranspose2d(4, 2, stride=2),
+        nn.Flatten(),
+        nn.LazyLinear(2),
+    )
+
+
+OPTIMIZERS = {
+    "sgd-momentum": lambda params: torch.optim.SGD(params, lr=0.05, momentum=0.9),
+    "adam": lambda params: torch.optim.Adam(params, lr=0.01),
+}
+
+
+@pytest.mark.parametrize("make_optimizer", list(OPTIMIZERS.values()), ids=list(OPTIMIZERS))
+def test_an_optimizer_built_before_the_first_forward_trains_like_one_built_after_it(
+    kind: Kind, make_optimizer: Callable[..., torch.optim.Optimizer]
+) -> None:
+    """torch materializes lazy parameters in place, so their optimizer may come first; the
+    Parameters a conversion adds (WN's g, Scaled WS's gain) are created at conversion too."""
+    x = torch.randn(2, 3, 6, 6)
+
+    def train(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        for _ in range(3):
+            optimizer.zero_grad()
+            model(x).square().mean().backward()
+            optimizer.step()
+
+    early = kind.apply(lazy_cnn())
+    early_optimizer = make_optimizer(early.parameters())
+    torch.manual_seed(1)
+    train(early, early_optimizer)
+    late = kind.apply(lazy_cnn())
+    torch.manual_seed(1)
+    late(x)  # the dry run: the optimizer sees the converted layers
+    train(late, make_optimizer(late.parameters()))
+    trained, expected = dict(early.named_parameters()), dict(late.named_parameters())
+    assert list(trained) == list(expected)
+    for name, param in expected.items():
+        torch.testing.assert_close(trained[name], param, rtol=0, atol=0)
+
+
+def test_a_pending_lazy_model_saves_and_loads_like_the_lazy_model(kind: Kind) -> None:
+    pending = kind.apply(lazy_cnn())
+    assert list(pending.state_dict()) == list(lazy_cnn().state_dict())
+    plain = lazy_cnn()
+    x = torch.randn(2, 3, 6, 6)
+    plain(x)
+    expected = kind.apply(copy.deepcopy(plain))
+    pending.load_state_dict(plain.state_dict())  # materializes the weights
+    torch.testing.assert_close(pending(x), expected(x))  # converts them
+    assert list(pending.state_dict()) == list(expected.state_dict())
+
+
+def test_a_deep_copy_of_a_pending_model_trains_its_own_parameters(kind: Kind) -> None:
+    pending = kind.apply(lazy_cnn())
+    clone = copy.deepcopy(pending)
+    optimizer = torch.optim.SGD(clone.parameters(), lr=0.1)
+    x = torch.randn(2, 3, 6, 6)
+    for _ in range(2):
+        optimizer.zero_grad()
+        clone(x).square().mean().backward()
+        optimizer.step()
+    held = {id(p) for p in optimizer.param_groups[0]["params"]}
+    assert all(id(p) in held for p in clone.parameters())
+    assert not any(id(p) in held for p in pending.parameters())
+
+
+def test_removing_a_pending_conversion_leaves_the_plain_lazy_model(kind: Kind) -> None:
+    pending = kind.apply(lazy_cnn())
+    kind.bake(pending)
+    names = [n for n, _ in pending.named_parameters()]
+    assert names == [n for n, _ in lazy_cnn().named_parameters()]
+    pending(torch.randn(2, 3, 6, 6))
+    assert not parametrized_layers(pending)
+
+
+def test_a_compiled_first_forward_converts_a_pending_lazy_model(kind: Kind) -> None:
+    torch._dynamo.reset()
+    pending = kind.apply(lazy_cnn())
+    optimizer = torch.optim.SGD(pending.parameters(), lr=0.1)
+    x = torch.randn(2, 3, 6, 6)
+    compiled = torch.compile(pending, backend="aot_eager")
+    compiled(x).square().mean().backward()
+    optimizer.step()
+    held = {id(p) for p in optimizer.param_groups[0]["params"]}
+    assert parametrized_layers(pending)
+    assert all(id(p) in held for p in pending.parameters())
 
 
 # --- weights are recomputed at every access; cached only inside parametrize.cached() ----------
@@ -306,3 +415,49 @@ def test_wrapped_in_ddp_is_refused_with_the_order_to_follow(kind: Kind) -> None:
         kind.apply(fake)
     assert_unchanged(fake, params)
     assert parametrized_layers(model)
+
+
+@pytest.fixture
+def single_process_group(tmp_path: Path) -> Iterator[None]:
+    """A one-rank gloo process group, enough to build FSDP1 on the CPU."""
+    dist = pytest.importorskip("torch.distributed")
+    if not dist.is_available() or dist.is_initialized():
+        pytest.skip("needs torch.distributed without a process group already running")
+    dist.init_process_group(
+        "gloo", init_method=f"file://{tmp_path / 'group'}", rank=0, world_size=1
+    )
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.filterwarnings("ignore:FSDP is switching to use `NO_SHARD`:UserWarning")
+@pytest.mark.parametrize("orig_params", [False, True], ids=["flat", "use-orig-params"])
+@pytest.mark.parametrize(
+    "target",
+    [lambda wrapped: wrapped, lambda wrapped: wrapped.module, lambda wrapped: wrapped.module[0]],
+    ids=["root", "inner-model", "layer"],
+)
+def test_wrapped_in_fsdp1_is_refused_with_the_order_to_follow(
+    kind: Kind,
+    orig_params: bool,
+    target: Callable[[nn.Module], nn.Module],
+    single_process_group: None,
+) -> None:
+    """FSDP1 flattens the parameters it finds into FlatParameters and never sees new ones."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Conv2d(4, 2, 1))
+    wrapped = FullyShardedDataParallel(
+        model, device_id=torch.device("cpu"), use_orig_params=orig_params
+    )
+    module = target(wrapped)
+    params = list(wrapped.parameters())
+    x = torch.randn(1, 3, 6, 6)
+    expected = wrapped(x).detach()
+    match = r"(wrapped by|flattened by) FullyShardedDataParallel \(FSDP1\).* Apply .* before"
+    with pytest.raises(ValueError, match=match):
+        kind.apply(module, layer_types=nn.Conv2d)
+    assert_unchanged(wrapped, params)
+    torch.testing.assert_close(wrapped(x), expected, rtol=0, atol=0)

@@ -22,12 +22,14 @@ from normhooks import (
     WeightNorm,
     apply_weight_norm,
     convert_with_weight_normalization,
+    data_dependent_init,
     remove_weight_norm,
     weight_norm,
     weight_standardization,
 )
 
 normalization = importlib.import_module("normhooks.weight_norm")
+_torch_compat = importlib.import_module("normhooks._torch_compat")
 
 
 def effective(module: nn.Module, name: str = "weight") -> torch.Tensor:
@@ -98,6 +100,16 @@ def test_multihead_attention_projections() -> None:
     assert set(wn_names(attention)) == {"in_proj_weight", "out_proj.weight"}
     after, _ = attention(x, x, x)
     torch.testing.assert_close(after, before, rtol=1e-5, atol=1e-6)
+
+
+def test_converting_another_parameter_of_a_deep_copy_leaves_the_original() -> None:
+    """A new parametrized name adds a property to the class, which deep copies share."""
+    lstm = weight_norm(nn.LSTM(3, 4), "weight_ih_l0")
+    clone = weight_norm(copy.deepcopy(lstm), "weight_hh_l0")
+    x = torch.randn(5, 2, 3)
+    torch.testing.assert_close(clone(x)[0], lstm(x)[0])
+    assert wn_names(lstm) == ["weight_ih_l0"]
+    assert sorted(wn_names(clone)) == ["weight_hh_l0", "weight_ih_l0"]
 
 
 def test_explicit_name_converts_only_that_parameter() -> None:
@@ -501,7 +513,7 @@ def test_lazy_pending_conversion_counts_as_converted() -> None:
             lambda: nn.Linear(3, 2),
             {"name": "bias"},
             ValueError,
-            r"Linear\.bias has 1 dimension; weight normalization applies to parameters with at",
+            r"Linear\.bias has 1 dimension; weight normalization needs a tensor with at least 2",
         ),
         (
             lambda: nn.Linear(3, 2),
@@ -514,7 +526,7 @@ def test_lazy_pending_conversion_counts_as_converted() -> None:
             lambda: nn.LayerNorm(3),
             {},
             ValueError,
-            r"LayerNorm\.weight has 1 dimension; weight normalization applies to",
+            r"LayerNorm\.weight has 1 dimension; weight normalization needs a tensor",
         ),
         (
             lambda: nn.Sequential(nn.Linear(3, 2)),
@@ -974,6 +986,126 @@ def test_remove_weight_norm_removes_torchs_too(
     assert type(model[0]) is nn.Linear
     assert set(model.state_dict()) == {"0.weight", "0.bias", "1.weight", "1.bias"}
     torch.testing.assert_close(model(x), expected)
+
+
+class Vocoder(nn.Module):
+    """Built on the legacy torch.nn.utils.weight_norm, folded for inference the way HiFi-GAN
+    and MelGAN fold it: with torch's remove_weight_norm on every layer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            self.layers = nn.ModuleList(
+                [
+                    torch.nn.utils.weight_norm(nn.Conv1d(2, 4, 3, padding=1)),
+                    torch.nn.utils.weight_norm(nn.ConvTranspose1d(4, 3, 4, stride=2)),
+                    torch.nn.utils.weight_norm(nn.Conv1d(3, 1, 1), dim=None),
+                ]
+            )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return x
+
+    def remove_weight_norm(self) -> None:
+        for layer in self.layers:
+            torch.nn.utils.remove_weight_norm(layer)
+
+
+def trained_takeover() -> Vocoder:
+    model = apply_weight_norm(Vocoder())
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    model(torch.randn(2, 2, 8)).square().mean().backward()
+    optimizer.step()
+    return model
+
+
+def assert_folded(model: Vocoder, expected: torch.Tensor, x: torch.Tensor) -> None:
+    torch.testing.assert_close(model(x), expected)
+    assert set(model.state_dict()) == {
+        f"layers.{i}.{p}" for i in range(3) for p in ("weight", "bias")
+    }
+    for layer in model.layers:
+        assert type(layer) in (nn.Conv1d, nn.ConvTranspose1d)
+        assert not _torch_compat.forward_pre_hooks(layer)
+
+
+def test_torchs_legacy_remove_weight_norm_folds_a_takeover() -> None:
+    model = trained_takeover()
+    x = torch.randn(2, 2, 8)
+    expected = model(x).detach()
+    vs = [layer.parametrizations.weight.original1 for layer in model.layers]
+    model.remove_weight_norm()
+    assert_folded(model, expected, x)
+    assert all(layer.weight is v for layer, v in zip(model.layers, vs, strict=True))
+
+
+def test_torchs_legacy_removal_on_a_deep_copy_leaves_the_original() -> None:
+    model = trained_takeover()
+    x = torch.randn(2, 2, 8)
+    expected = model(x).detach()
+    clone = copy.deepcopy(model)
+    clone.remove_weight_norm()
+    assert_folded(clone, expected, x)
+    assert wn_names(model) == ["layers.0.weight", "layers.1.weight", "layers.2.weight"]
+    torch.testing.assert_close(model(x), expected, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(
+    "fold",
+    [
+        lambda m: m.remove_weight_norm(),
+        remove_weight_norm,
+        lambda m: [parametrize.remove_parametrizations(layer, "weight") for layer in m.layers],
+    ],
+    ids=["torch-legacy", "normhooks", "torch-parametrize"],
+)
+def test_after_folding_a_takeover_torchs_legacy_weight_norm_applies_again(
+    fold: Callable[[Vocoder], object],
+) -> None:
+    model = trained_takeover()
+    x = torch.randn(2, 2, 8)
+    expected = model(x).detach()
+    fold(model)
+    torch.testing.assert_close(model(x), expected)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        for layer in model.layers:
+            torch.nn.utils.weight_norm(layer)
+    torch.testing.assert_close(model(x), expected)
+    apply_weight_norm(model)
+    assert wn_names(model) == ["layers.0.weight", "layers.1.weight", "layers.2.weight"]
+
+
+def test_the_hook_for_torchs_removal_is_not_taken_for_torchs_weight_norm() -> None:
+    model = trained_takeover()
+    with pytest.raises(ValueError, match="all 3 matching layers are already weight-normalized"):
+        apply_weight_norm(model)
+    assert not any(normalization._parametrize.torch_weight_norm_names(m) for m in model.layers)
+
+
+def test_data_dependent_init_initializes_a_legacy_takeover() -> None:
+    model = apply_weight_norm(nn.Sequential(torch_legacy(lambda: nn.Conv1d(2, 4, 3), 0)))
+    x = torch.randn(8, 2, 6)
+    data_dependent_init(model, x)
+    y = model(x).detach().transpose(0, 1).reshape(4, -1)
+    torch.testing.assert_close(y.mean(1), torch.zeros(4), rtol=0, atol=1e-5)
+    torch.testing.assert_close(y.std(1, unbiased=False), torch.ones(4), rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("form", ["parametrized", "legacy"])
+def test_torchs_remove_parametrizations_folds_a_takeover(form: str) -> None:
+    kind = torch_parametrized if form == "parametrized" else torch_legacy
+    model = apply_weight_norm(nn.Sequential(kind(lambda: nn.Linear(3, 4), 0)))
+    x = torch.randn(2, 3)
+    expected = model(x).detach()
+    parametrize.remove_parametrizations(model[0], "weight")
+    torch.testing.assert_close(model(x), expected)
+    assert set(model.state_dict()) == {"0.weight", "0.bias"}
+    assert type(model[0]) is nn.Linear
+    assert not _torch_compat.forward_pre_hooks(model[0])
 
 
 def test_weight_norm_dim_must_match_torchs_when_taking_over() -> None:

@@ -24,6 +24,7 @@ from normhooks import (
     standardize_weight,
     weight_standardization,
 )
+from normhooks import weight_norm as normhooks_weight_norm
 
 standardization = importlib.import_module("normhooks.weight_standardization")
 
@@ -57,17 +58,17 @@ def output_axis(layer: nn.Module) -> int:
 def count_computations() -> Iterator[list[int]]:
     """Counts standardizations actually computed."""
     calls = [0]
-    original = standardization.standardize_weight
+    original = standardization._standardize
 
     def counting(*args: Any, **kwargs: Any) -> torch.Tensor:
         calls[0] += 1
         return original(*args, **kwargs)
 
-    standardization.standardize_weight = counting
+    standardization._standardize = counting
     try:
         yield calls
     finally:
-        standardization.standardize_weight = original
+        standardization._standardize = original
 
 
 # --- the formula ---------------------------------------------------------------------------
@@ -477,7 +478,7 @@ def test_in_place_write_to_served_weight_is_not_served_again() -> None:
             lambda: nn.Linear(3, 2),
             {"name": "bias"},
             ValueError,
-            r"Linear\.bias has 1 dimension; weight standardization needs a weight with at least 2",
+            r"Linear\.bias has 1 dimension; weight standardization needs a tensor with at least 2",
         ),
         (
             lambda: nn.Conv2d(3, 2, 3),
@@ -814,3 +815,55 @@ def test_apply_refuses_torch_legacy_weight_norm_instead_of_skipping_it() -> None
 def test_a_lazy_bias_is_refused_at_entry() -> None:
     with pytest.raises(ValueError, match=r"Linear\.bias has 1 dimension"):
         weight_standardization(nn.LazyLinear(3), "bias")
+
+
+# --- a weight norm underneath: standardization would cancel its g ---------------------------
+
+
+def _torch_wn(layer: nn.Module, dim: int | None = 0) -> nn.Module:
+    return torch.nn.utils.parametrizations.weight_norm(layer, dim=dim)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: normhooks_weight_norm(nn.Conv2d(3, 4, 3)),
+        lambda: normhooks_weight_norm(nn.Conv2d(3, 4, 3), dim=None),
+        lambda: normhooks_weight_norm(nn.ConvTranspose2d(4, 6, 2, groups=2), dim=1),
+        lambda: _torch_wn(nn.Conv2d(3, 4, 3)),
+        lambda: _torch_wn(nn.Conv2d(3, 4, 3), dim=None),
+        lambda: normhooks_weight_norm(nn.LazyConv2d(4, 3)),
+    ],
+    ids=["normhooks", "normhooks-whole", "grouped-deconv-dim1", "torch", "torch-whole", "pending"],
+)
+@pytest.mark.parametrize("scaled", [False, True], ids=["ws", "scaled"])
+def test_standardizing_a_weight_norm_that_it_would_cancel_is_refused(
+    make: Callable[[], nn.Module], scaled: bool
+) -> None:
+    layer = make()
+    chain = [type(p) for p in standardization._parametrize.parametrizations_of(layer, "weight")]
+    with pytest.raises(ValueError, match=r"is weight-normalized.* would cancel g, which would"):
+        weight_standardization(layer, scaled=scaled)
+    assert [
+        type(p) for p in standardization._parametrize.parametrizations_of(layer, "weight")
+    ] == chain
+
+
+def test_a_weight_standardized_over_a_weight_norm_barely_depends_on_g() -> None:
+    """The premise of the refusal, registered by hand past it: doubling g moves the weight
+    by about eps / var(W), so g gets a gradient of about zero."""
+    layer = normhooks_weight_norm(nn.Conv2d(3, 4, 3))
+    parametrize.register_parametrization(layer, "weight", WeightStandardization())
+    before = layer.weight.detach()
+    with torch.no_grad():
+        layer.parametrizations.weight.original0.mul_(2.0)
+    moved = (layer.weight.detach() - before).abs().max()
+    assert moved < 1e-2 * before.abs().max()
+
+
+def test_a_weight_norm_along_another_axis_stacks() -> None:
+    """wav2vec 2.0's positional convolution: weight norm along the kernel axis, dim=2."""
+    layer = _torch_wn(nn.Conv1d(4, 4, 5, padding=2), dim=2)
+    weight_standardization(layer)
+    w = layer.weight.flatten(1)
+    torch.testing.assert_close(w.mean(1), torch.zeros(4), rtol=0, atol=1e-6)

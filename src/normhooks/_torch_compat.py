@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.nn.utils.weight_norm import WeightNorm as _LegacyWeightNorm
 
 # torch.nn.modules.conv's base classes (2.11, 2.13): every Conv*/LazyConv* and every
 # ConvTranspose*/LazyConvTranspose* layer derives from them.
@@ -306,3 +307,65 @@ def is_deepspeed(obj: object) -> bool:
         if module == "deepspeed" or module.startswith("deepspeed."):
             return True
     return False
+
+
+# --- wrapped models, lazy modules and torch's legacy weight norm (the parametrizations) -------
+
+
+def fsdp1_type() -> Any:
+    """FSDP1's ``FullyShardedDataParallel`` class, or None while nothing has imported it."""
+    module = sys.modules.get("torch.distributed.fsdp.fully_sharded_data_parallel")
+    return None if module is None else module.FullyShardedDataParallel
+
+
+def is_fsdp1_flattened(tensor: object) -> bool:
+    """Whether FSDP1 flattened ``tensor`` into a FlatParameter, or made it a view of one.
+
+    FSDP1 marks its FlatParameters, and with ``use_orig_params=True`` the original Parameters
+    it re-registers as views, with ``_fsdp_flattened`` (``FSDP_FLATTENED``,
+    torch/distributed/fsdp/_common_utils.py: 2.11, 2.13); with ``use_orig_params=False`` the
+    layers keep plain tensor views of the FlatParameter, whose ``_base`` carries the mark.
+    """
+    if not isinstance(tensor, Tensor):
+        return False
+    base = tensor._base
+    return bool(
+        getattr(tensor, "_fsdp_flattened", False)
+        or (base is not None and getattr(base, "_fsdp_flattened", False))
+    )
+
+
+# The hook class of the legacy ``torch.nn.utils.weight_norm`` (2.11, 2.13): a forward pre-hook
+# object with ``name`` and ``dim``, whose ``remove(module)`` torch's ``remove_weight_norm``
+# calls on the first such hook with the parameter's name before deleting it from
+# ``module._forward_pre_hooks`` by its key.
+LegacyWeightNorm = _LegacyWeightNorm
+
+
+def own_parametrized_class(module: nn.Module) -> None:
+    """Gives a parametrized module a ``Parametrized<Class>`` class of its own (2.11, 2.13).
+
+    ``torch.nn.utils.parametrize`` keeps one property per parametrized tensor on the class it
+    swaps in, and adds or deletes them on ``module.__class__``; a deep copy shares that class
+    object with the module it was copied from (the class's ``__deepcopy__`` builds the copy
+    with ``self.__class__``). Removing a parametrization from a copy would then delete the
+    property of the original too, and break its next forward.
+    """
+    cls = type(module)
+    namespace = {k: v for k, v in vars(cls).items() if k not in ("__dict__", "__weakref__")}
+    module.__class__ = type(cls.__name__, cls.__bases__, namespace)
+
+
+class StatelessModule(nn.Module):
+    """A module that state dicts leave out: it saves nothing and loads nothing (2.11, 2.13).
+
+    ``state_dict`` and ``load_state_dict`` call ``_save_to_state_dict`` and
+    ``_load_from_state_dict`` on every submodule for its own tensors (``LazyModuleMixin``
+    overrides them too); its children, if any, still save and load their own.
+    """
+
+    def _save_to_state_dict(self, destination: Any, prefix: str, keep_vars: bool) -> None:
+        return None
+
+    def _load_from_state_dict(self, *args: Any, **kwargs: Any) -> None:
+        return None

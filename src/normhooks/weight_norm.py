@@ -23,6 +23,7 @@ from typing import Any, TypeVar
 import torch
 from torch import Tensor, nn
 from torch.nn.utils import parametrize
+from torch.utils.hooks import RemovableHandle
 
 from normhooks import _checks, _kernels, _parametrize, _torch_compat
 from normhooks._parametrize import Undo, describe, layer_name
@@ -193,7 +194,10 @@ class WeightNorm(nn.Module):
         self.legacy_keys = False
 
     def forward(self, g: Tensor, v: Tensor) -> Tensor:
-        dim = None if self.dim is None else self.dim % v.ndim
+        dim = self._checked_dim(g, v)
+        if g.dtype != v.dtype:
+            # The fused kernels and torch's fused op take one dtype; the formula promotes.
+            return _weight_norm(g, v, dim, self.eps)
         if dim is not None and _kernels.available(v) and _kernels.available(g):
             # CUDA with Triton: one fused kernel forward and one backward, exact.
             return _kernels.fused_weight_norm(g, v, dim, self.eps)
@@ -211,7 +215,39 @@ class WeightNorm(nn.Module):
         result: Tensor = _WeightNormFunction.apply(g, v, dim, self.eps)  # type: ignore[no-untyped-call]
         return result
 
+    def _checked_dim(self, g: Tensor, v: Tensor) -> int | None:
+        """The axis of ``v`` with one norm per index, after checking g and v.
+
+        Every path reads g by v's layout (torch's fused op and the kernels index it per row
+        without bounds checks), so g's shape is checked here, on every path: a few attribute
+        reads, static under torch.compile.
+        """
+        _parametrize.check_tensor(v, "v", _WHAT)
+        if not isinstance(g, Tensor):
+            raise TypeError(f"g must be a torch.Tensor, got {type(g).__name__}")
+        _parametrize.check_dtype("g", g.dtype, _WHAT)
+        dim = self.dim
+        if dim is None:
+            if g.numel() != 1 or g.ndim > v.ndim:
+                raise ValueError(
+                    "g must be a single element for dim=None (one norm of the whole tensor), "
+                    f"got g of shape {list(g.shape)}"
+                )
+            return None
+        if not -v.ndim <= dim < v.ndim:
+            _checks.axis("dim", dim, v.ndim, f"v of shape {list(v.shape)}")
+        dim %= v.ndim
+        rows = v.shape[dim]
+        if g.ndim != v.ndim or g.shape[dim] != rows or g.numel() != rows:
+            expected = [rows if d == dim else 1 for d in range(v.ndim)]
+            raise ValueError(
+                f"g must have shape {expected} (one entry per index of dim={self.dim} of v, "
+                f"whose shape is {list(v.shape)}), got g of shape {list(g.shape)}"
+            )
+        return dim
+
     def right_inverse(self, weight: Tensor) -> tuple[Tensor, Tensor]:
+        _parametrize.check_tensor(weight, "weight", _WHAT)
         dim = None
         if self.dim is not None:
             shape = f"a weight of shape {list(weight.shape)}"
@@ -307,6 +343,44 @@ def _install_key_hooks(module: nn.Module, name: str, *, save_legacy: bool) -> No
         module.register_state_dict_post_hook(_SaveLegacyKeys(name))  # type: ignore[no-untyped-call]
 
 
+class _LegacyRemoval(_torch_compat.LegacyWeightNorm, _parametrize.InertTorchHook):
+    """What torch's legacy ``remove_weight_norm`` finds on a layer whose legacy weight norm
+    normhooks took over: an inert forward pre-hook of torch's hook type.
+
+    Inference code of models built on ``torch.nn.utils.weight_norm`` (HiFi-GAN, MelGAN and
+    many vocoders) folds the weight norm with ``torch.nn.utils.remove_weight_norm``, which
+    looks for that hook and calls its ``remove``: here that folds normhooks' weight norm, as
+    :func:`remove_weight_norm` does. The parametrization computes the weight, so the hook does
+    nothing at a forward, except remove itself once the parametrization is gone (folded by
+    ``torch.nn.utils.parametrize.remove_parametrizations``), so that torch's weight norm can
+    be applied again.
+    """
+
+    def __init__(self, name: str, dim: int | None) -> None:
+        super().__init__(name, -1 if dim is None else dim)
+        self.handle: RemovableHandle | None = None
+
+    def compute_weight(self, module: nn.Module) -> Tensor:
+        weight: Tensor = getattr(module, self.name)
+        return weight
+
+    def remove(self, module: nn.Module) -> None:
+        # torch deletes this hook from the module's hook dict right after.
+        if _normhooks_weight_norm(module, self.name) is not None:
+            _fold_parametrization(module, self.name)
+
+    def __call__(self, module: nn.Module, inputs: Any) -> None:
+        if not parametrize.is_parametrized(module, self.name) and self.handle is not None:
+            self.handle.remove()
+
+
+def _legacy_removal(module: nn.Module, name: str) -> _LegacyRemoval | None:
+    for hook in _torch_compat.forward_pre_hooks(module):
+        if isinstance(hook, _LegacyRemoval) and hook.name == name:
+            return hook
+    return None
+
+
 # --- planning and registering ---------------------------------------------------------------
 
 
@@ -315,11 +389,7 @@ Step = Callable[[], Undo]
 
 def _axis(module: nn.Module, name: str, ndim: int, dim: int | None) -> int | None:
     where = describe(module, name)
-    if ndim < 2:
-        raise ValueError(
-            f"{where} has {ndim} dimension{'s' if ndim != 1 else ''}; weight normalization "
-            "applies to parameters with at least 2"
-        )
+    _parametrize.check_ndim(where, ndim, _WHAT)
     return None if dim is None else _checks.axis("dim", dim, ndim, where)
 
 
@@ -328,6 +398,15 @@ def _plan(module: nn.Module, name: str, dim: int | None, eps: float, *, strict_d
 
     torch's weight norm is taken over; ``strict_dim`` requires it to run along ``dim``.
     """
+    own = _parametrize.own_standardization(module) if name == "weight" else None
+    if own is not None:
+        raise ValueError(
+            f"{describe(module, name)} is a {own}, whose forward standardizes whatever weight "
+            "it is given: it would cancel g (the standardized g * v / ||v|| does not depend on "
+            "g), which would then never train. Weight normalization does not compose with the "
+            "layer's own standardization: leave it out (layer_types selects subclasses too, so "
+            "name only the classes to convert, e.g. layer_types=torch.nn.Linear)"
+        )
     if _parametrize.has_torch_weight_norm(module, name):
         return _plan_takeover(module, name, dim, eps, strict_dim=strict_dim)
     weight = _parametrize.checked_tensor(module, name, _WHAT)
@@ -349,27 +428,44 @@ def _plan(module: nn.Module, name: str, dim: int | None, eps: float, *, strict_d
             )
         lazy = module._parameters[name]
         assert lazy is not None  # checked_tensor refused None
-        _parametrize.check_dtype(module, name, lazy.dtype, _WHAT)
+        _parametrize.check_dtype(describe(module, name), lazy.dtype, _WHAT)
         ndim = _parametrize.expected_ndim(module, name)
         if ndim is not None:
             _axis(module, name, ndim, dim)
         register = functools.partial(_register, name=name, dim=dim, eps=eps)
-        return lambda: _parametrize.defer(module, name, register, _MARKER)
+        return lambda: _parametrize.defer(module, name, register, _MARKER, _WHAT, ("g",))
     _axis(module, name, weight.ndim, dim)
     return functools.partial(_register, module, name, dim, eps)
 
 
-def _register(module: nn.Module, name: str, dim: int | None, eps: float) -> Undo:
+def _register(
+    module: nn.Module,
+    name: str,
+    dim: int | None,
+    eps: float,
+    companions: _parametrize.Companions | None = None,
+) -> Undo:
     """Weight-normalizes ``module.<name>``, which exists (a lazy module's, by its first forward).
 
     g and v are new Parameters; the old weight Parameter keeps its values, so a module that
-    shares (ties) it is unaffected.
+    shares (ties) it is unaffected. A lazy module's conversion, with the placeholder for g
+    made at conversion (``companions``), keeps the Parameters an optimizer built before the
+    first forward holds: g is that placeholder, and v the lazy weight, rewritten in place.
     """
     weight = _parametrize.checked_tensor(module, name, _WHAT)
     if weight is None:
         raise ValueError(f"{describe(module, name)} is still uninitialized")
     axis = _axis(module, name, weight.ndim, dim)
-    undo = _parametrize.register(module, name, WeightNorm(axis, eps))
+    lazy = companions is not None
+    undo = _parametrize.register(module, name, WeightNorm(axis, eps), _WHAT, watch=not lazy)
+    if companions is not None:
+        g = _parametrize.materialized(
+            companions["g"], _parametrize.original(module, name, "original0")
+        )
+        with torch.no_grad():
+            weight.copy_(_parametrize.original(module, name, "original1"))
+        chain = _parametrize.originals(module, name)
+        chain.original0, chain.original1 = g, weight
     _install_key_hooks(module, name, save_legacy=False)
     return undo
 
@@ -445,10 +541,12 @@ def _take_over_legacy(
         module.register_parameter(name, nn.Parameter(v.detach().clone(), v.requires_grad))
         wn = WeightNorm(axis, eps)
         wn.legacy_keys = True
-        parametrize.register_parametrization(module, name, wn)
+        _parametrize.register_parametrization(module, name, wn)
         chain = _parametrize.originals(module, name)
         chain.original0, chain.original1 = g, v
         _install_key_hooks(module, name, save_legacy=True)
+        removal = _LegacyRemoval(name, axis)
+        removal.handle = module.register_forward_pre_hook(removal)
     except BaseException:
         _untake_legacy(module, name, g, v, stale, restore_hook)
         raise
@@ -468,7 +566,10 @@ def _untake_legacy(
     restore_hook: Callable[[], None],
 ) -> None:
     if parametrize.is_parametrized(module, name):
-        parametrize.remove_parametrizations(module, name, leave_parametrized=True)
+        _parametrize.remove_parametrizations(module, name, leave_parametrized=True)
+    removal = _legacy_removal(module, name)
+    if removal is not None and removal.handle is not None:
+        removal.handle.remove()
     module._parameters.pop(name, None)
     module.register_parameter(f"{name}_g", g)
     module.register_parameter(f"{name}_v", v)
@@ -490,8 +591,12 @@ def weight_norm(module: M, name: str = "weight", *, dim: int | None = 0, eps: fl
     ``<name>_v``) load too. At conversion :math:`v = W / (\|W\| + \epsilon)` (unit rows, as
     in the Chainer original, so an optimizer takes its steps; torch keeps :math:`v = W`) and
     :math:`g = \|W\| + \epsilon`: the module's output is unchanged. A zero row of v gives a
-    zero row of W, never NaN. On a lazy module the parametrization is registered at the first
-    forward, once the weight exists. To convert a whole model, use :func:`apply_weight_norm`.
+    zero row of W, never NaN. g and v are new Parameters, like torch's, which an optimizer
+    built before the conversion does not hold: build the optimizer after converting; one that
+    still holds the old weight raises at its step. On a lazy module the parametrization is
+    registered at the first forward, once the weight exists, and an optimizer built before
+    then keeps working: g is created at conversion, uninitialized, and v is the lazy weight
+    itself, rewritten in place. To convert a whole model, use :func:`apply_weight_norm`.
 
     A parameter that already carries torch's weight norm (either form) is taken over in
     place: same g and v Parameters, same values, same state-dict keys; only the formula
@@ -592,7 +697,9 @@ def apply_weight_norm(
 
     Raises:
         ValueError: nothing to convert, tied weights (converting one would untie them), a
-            matching weight with another parametrization, or a bad weight (named).
+            matching weight with another parametrization, a layer whose own forward
+            standardizes its weight (timm's ``StdConv2d`` family, transformers' BiT
+            convolution: it would cancel g, which would never train), or a bad weight (named).
         TypeError: a matching weight that is not a real floating-point Parameter.
 
     Example:
@@ -776,10 +883,17 @@ def _remover(module: nn.Module, name: str) -> Callable[[], None]:
 
 
 def _fold(module: nn.Module, name: str) -> None:
+    _fold_parametrization(module, name)
+    removal = _legacy_removal(module, name)
+    if removal is not None and removal.handle is not None:
+        removal.handle.remove()
+
+
+def _fold_parametrization(module: nn.Module, name: str) -> None:
     v = _parametrize.original(module, name, "original1")
     with torch.no_grad():
         weight = getattr(module, name).clone()
-    parametrize.remove_parametrizations(module, name, leave_parametrized=True)
+    _parametrize.remove_parametrizations(module, name, leave_parametrized=True)
     with torch.no_grad():
         v.copy_(weight)
     delattr(module, name)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import math
+import warnings
 from collections.abc import Callable, Sequence
 
 import torch
@@ -32,6 +33,7 @@ __all__ = [
 ]
 
 _MARKER = "weight_standardization"
+_WHAT = "weight standardization"
 
 
 def _rows(weight: Tensor, dim: int, groups: int) -> tuple[Tensor, tuple[int, ...]]:
@@ -101,12 +103,47 @@ def standardize_weight(
         tensor([[-1.2247,  0.0000,  1.2247],
                 [ 0.0000,  0.0000,  0.0000]])
     """
-    if groups > 1 and (dim % weight.ndim == 0 or weight.shape[0] % groups):
+    weight = _parametrize.check_tensor(weight, "weight", _WHAT)
+    axis = _checks.axis("dim", dim, weight.ndim, f"a weight of shape {list(weight.shape)}")
+    eps = _checks.positive("eps", eps)
+    groups = _checks.positive_int("groups", groups)
+    _check_groups(weight, axis, groups)
+    if gain is not None:
+        _check_gain("gain", gain, weight, axis, groups)
+    return _standardize(weight, axis, eps, groups, gain)
+
+
+def _check_groups(weight: Tensor, dim: int, groups: int) -> None:
+    if groups > 1 and (dim == 0 or weight.shape[0] % groups):
         raise ValueError(
             f"groups={groups} splits axis 0 (a transposed convolution's input channels) into "
             f"groups for the output axis dim; it needs dim >= 1 and axis 0 divisible by "
             f"groups, got dim={dim} for a weight of shape {list(weight.shape)}"
         )
+
+
+def _check_gain(where: str, gain: object, weight: Tensor, dim: int, groups: int) -> Tensor:
+    """``gain`` if it has one real floating-point entry per standardized slice.
+
+    Every path reads the gain by row (the kernel without bounds checks, the formula by
+    broadcasting, which would spread a single entry over every row).
+    """
+    if not isinstance(gain, Tensor):
+        raise TypeError(f"{where} must be a torch.Tensor, got {type(gain).__name__}")
+    _parametrize.check_dtype(where, gain.dtype, _WHAT)
+    channels = weight.shape[dim] * groups
+    if gain.ndim != 1 or gain.shape[0] != channels:
+        grouped = f" with groups={groups}" if groups > 1 else ""
+        raise ValueError(
+            f"{where} must have shape [{channels}], one entry per output channel of a weight of "
+            f"shape {list(weight.shape)} along dim={dim}{grouped}, got {where} of shape "
+            f"{list(gain.shape)}"
+        )
+    return gain
+
+
+def _standardize(weight: Tensor, dim: int, eps: float, groups: int, gain: Tensor | None) -> Tensor:
+    """:func:`standardize_weight` on checked arguments, ``dim`` in ``range(weight.ndim)``."""
     rows, shape = _rows(weight, dim, groups)
     if rows.numel() == 0:
         return weight.clone()
@@ -157,10 +194,19 @@ class WeightStandardization(nn.Module):
         self.groups = _checks.positive_int("groups", groups)
 
     def _axis(self, weight: Tensor) -> int:
-        return _checks.axis("dim", self.dim, weight.ndim, f"a weight of shape {list(weight.shape)}")
+        """The standardized axis of ``weight``, after the checks of :func:`standardize_weight`
+        that its arguments need (the settings were checked at construction)."""
+        _parametrize.check_tensor(weight, "weight", _WHAT)
+        dim = self.dim
+        if not -weight.ndim <= dim < weight.ndim:
+            _checks.axis("dim", dim, weight.ndim, f"a weight of shape {list(weight.shape)}")
+        dim %= weight.ndim
+        if self.groups > 1:
+            _check_groups(weight, dim, self.groups)
+        return dim
 
     def forward(self, weight: Tensor) -> Tensor:
-        return standardize_weight(weight, self._axis(weight), self.eps, groups=self.groups)
+        return _standardize(weight, self._axis(weight), self.eps, self.groups, None)
 
     def extra_repr(self) -> str:
         groups = f", groups={self.groups}" if self.groups != 1 else ""
@@ -221,10 +267,10 @@ class ScaledWeightStandardization(WeightStandardization):
 
     def forward(self, weight: Tensor) -> Tensor:
         dim = self._axis(weight)
-        rows, _ = _rows(weight, dim, self.groups)
-        fan_in = rows.shape[1]
-        scale = self.gain * (self.gamma / math.sqrt(fan_in)) if fan_in else self.gain
-        return standardize_weight(weight, dim, self.eps, groups=self.groups, gain=scale)
+        gain = _check_gain("gain", self.gain, weight, dim, self.groups)
+        fan_in = weight.numel() // gain.shape[0] if gain.shape[0] else 0
+        scale = gain * (self.gamma / math.sqrt(fan_in)) if fan_in else gain
+        return _standardize(weight, dim, self.eps, self.groups, scale)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, gamma={self.gamma}, num_channels={self.gain.numel()}"
@@ -239,11 +285,7 @@ def _is_standardized(module: nn.Module, name: str) -> bool:
 def _resolve(module: nn.Module, name: str, ndim: int, dim: int | None) -> tuple[int, int]:
     """The standardized axis and the input-channel groups its slices span."""
     where = describe(module, name)
-    if ndim < 2:
-        raise ValueError(
-            f"{where} has {ndim} dimension{'s' if ndim != 1 else ''}; weight "
-            "standardization needs a weight with at least 2"
-        )
+    _parametrize.check_ndim(where, ndim, _WHAT)
     axis = output_axis(module) if dim is None else _checks.axis("dim", dim, ndim, where)
     groups = getattr(module, "groups", 1)
     spans_groups = _parametrize.is_transposed(module) and axis == 1 and groups > 1
@@ -265,9 +307,28 @@ def _plan(
     module: nn.Module, name: str, eps: float, dim: int | None, scaled: bool, gamma: float
 ) -> Callable[[], _parametrize.Undo]:
     """Checks ``module.<name>`` and returns the step that standardizes it."""
-    weight = _parametrize.checked_tensor(module, name, "weight standardization")
+    weight = _parametrize.checked_tensor(module, name, _WHAT)
     if _is_standardized(module, name):
         raise ValueError(f"{describe(module, name)} is already standardized")
+    own = _parametrize.own_standardization(module) if name == "weight" else None
+    if own is not None and scaled:
+        remedy = (
+            "it applies Scaled WS itself, with its own gain and gamma: use it as it is"
+            if "Scaled" in own
+            else "it applies plain WS itself: keep it that way (plain WS leaves it alone), or "
+            "build the model with plain convolutions for Scaled WS"
+        )
+        raise ValueError(
+            f"{describe(module, name)} is a {own}, whose forward standardizes whatever weight "
+            "it is given: it would cancel the gain of Scaled WS, which would then never train; "
+            + remedy
+        )
+    if own is not None:
+        raise ValueError(
+            f"{describe(module, name)} is already standardized by its own forward ({own}); "
+            "standardizing it again would only repeat it"
+        )
+    _refuse_weight_norm_underneath(module, name, weight, dim)
     if weight is None:
         ndim = _parametrize.expected_ndim(module, name)
         if ndim is not None:
@@ -275,15 +336,57 @@ def _plan(
         register = functools.partial(
             _register, name=name, eps=eps, dim=dim, scaled=scaled, gamma=gamma
         )
-        return lambda: _parametrize.defer(module, name, register, _MARKER)
+        companions = ("gain",) if scaled else ()
+        return lambda: _parametrize.defer(
+            module, name, register, _MARKER, _what(scaled), companions
+        )
     return functools.partial(_register, module, name, eps, dim, scaled, gamma)
 
 
+def _what(scaled: bool) -> str:
+    return "Scaled WS" if scaled else _WHAT
+
+
+def _refuse_weight_norm_underneath(
+    module: nn.Module, name: str, weight: Tensor | None, dim: int | None
+) -> None:
+    """Raises where standardization would cancel the g of a weight norm beneath it.
+
+    Standardizing a slice removes its scale, so a g that is one number over each standardized
+    slice (the usual layout: g per output channel, or one g for the whole tensor) has no
+    effect on the weight, and a gradient of about zero: it would never train.
+    """
+    pending_wn = "weight_norm" in _parametrize.pending_markers(module, name)
+    found, wn_axis = _parametrize.weight_norm_axis(module, name)
+    if not (found or pending_wn):
+        return
+    if found and weight is not None:
+        axis, _ = _resolve(module, name, weight.ndim, dim)
+        if wn_axis is not None and wn_axis != axis:
+            return  # g varies within each standardized slice: nothing cancels it
+    raise ValueError(
+        f"{describe(module, name)} is weight-normalized"
+        + (" at its first forward" if pending_wn and not found else "")
+        + "; standardizing g * v / ||v|| slice by slice would cancel g, which would then never "
+        "train. Use one of the two, or remove the weight norm first (remove_weight_norm)"
+    )
+
+
 def _register(
-    module: nn.Module, name: str, eps: float, dim: int | None, scaled: bool, gamma: float
+    module: nn.Module,
+    name: str,
+    eps: float,
+    dim: int | None,
+    scaled: bool,
+    gamma: float,
+    companions: _parametrize.Companions | None = None,
 ) -> _parametrize.Undo:
-    """Standardizes ``module.<name>``, which exists (a lazy module's, by its first forward)."""
-    weight = _parametrize.checked_tensor(module, name, "weight standardization")
+    """Standardizes ``module.<name>``, which exists (a lazy module's, by its first forward).
+
+    On a lazy module, Scaled WS's gain is the placeholder made at conversion
+    (``companions``), so an optimizer built before the first forward trains it.
+    """
+    weight = _parametrize.checked_tensor(module, name, _WHAT)
     if weight is None:
         raise ValueError(f"{describe(module, name)} is still uninitialized")
     axis, groups = _resolve(module, name, weight.ndim, dim)
@@ -298,9 +401,15 @@ def _register(
             device=weight.device,
             dtype=weight.dtype,
         )
+        if companions is not None:
+            parametrization.gain = _parametrize.materialized(
+                companions["gain"], parametrization.gain
+            )
     else:
         parametrization = WeightStandardization(eps, axis, groups=groups)
-    return _parametrize.register(module, name, parametrization)
+    return _parametrize.register(
+        module, name, parametrization, _what(scaled), watch=companions is None
+    )
 
 
 def weight_standardization(
@@ -317,9 +426,14 @@ def weight_standardization(
     Registers a :class:`WeightStandardization` (or, with ``scaled=True``, a
     :class:`ScaledWeightStandardization`) parametrization on the parameter. The raw weight
     stays the same Parameter object, under ``module.parametrizations.<name>.original``, so an
-    existing optimizer keeps working. On a lazy module (``LazyConv2d``, ``LazyLinear``, ...)
-    the parametrization is registered at the first forward, once the weight exists. To
-    convert a whole model, use :func:`apply_weight_standardization`.
+    existing optimizer keeps updating it. Scaled WS adds a Parameter, the gain, which an
+    optimizer built before the conversion does not hold: build the optimizer after
+    converting (or add the gains with ``optimizer.add_param_group``); an optimizer that holds
+    the raw weight and no optimizer the gain raises at its second step. On a lazy module
+    (``LazyConv2d``, ``LazyLinear``, ...) the parametrization is registered at the first
+    forward, once the weight exists; the gain is created at conversion, uninitialized, so an
+    optimizer built before the first forward trains it. To convert a whole model, use
+    :func:`apply_weight_standardization`.
 
     Args:
         module: the layer that owns the weight.
@@ -382,10 +496,15 @@ def apply_weight_standardization(
 
     Returns:
         ``model``. Layers already standardized are skipped; matching layers without a
-        ``weight`` Parameter (a bias-free container, say) are skipped too.
+        ``weight`` Parameter (a bias-free container, say) are skipped too. So are, with a
+        warning, layers whose own forward standardizes their weight (timm's ``StdConv2d``,
+        ``StdConv2dSame``, ``ScaledStdConv2d``, ``ScaledStdConv2dSame`` and subclasses,
+        transformers' BiT ``WeightStandardizedConv2d``): standardizing again would repeat it.
 
     Raises:
-        ValueError: no layer of ``model`` matches, or every match is already standardized.
+        ValueError: no layer of ``model`` matches, or every match is already standardized;
+            ``scaled=True`` on a layer that standardizes its own weight, which would cancel
+            the gain (it would never train).
 
     Example:
         >>> model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.GroupNorm(2, 8))
@@ -396,10 +515,11 @@ def apply_weight_standardization(
     eps, scaled, gamma = _check_options(eps, scaled, gamma)
     types = _parametrize.layer_types(layer_types, (ConvNd,))
     _parametrize.check_module(model, "model")
-    _parametrize.refuse_wrapped(model, "weight standardization")
+    _parametrize.refuse_wrapped(model, _WHAT)
     steps = []
     matched = already = 0
-    for layer in model.modules():
+    own: list[str] = []
+    for prefix, layer in model.named_modules():
         if _parametrize.is_internal(layer) or not isinstance(layer, types):
             continue
         torch_wn = _parametrize.torch_weight_norm(layer, "weight")
@@ -407,9 +527,8 @@ def apply_weight_standardization(
             raise ValueError(
                 f"{describe(layer, 'weight')} carries torch's legacy weight norm "
                 "(torch.nn.utils.weight_norm), which recomputes the weight in a forward "
-                "pre-hook; weight standardization cannot stack on it. Take it over with "
-                "normhooks.apply_weight_norm(model) first (it becomes a parametrization that "
-                "standardization stacks on), or remove it"
+                "pre-hook; weight standardization cannot stack on it (and would cancel its g). "
+                "Remove it first (torch.nn.utils.remove_weight_norm), or leave the layer out"
             )
         if "weight" not in layer._parameters and not parametrize.is_parametrized(layer, "weight"):
             continue
@@ -417,16 +536,28 @@ def apply_weight_standardization(
         if _is_standardized(layer, "weight"):
             already += 1
             continue
+        if not scaled and _parametrize.own_standardization(layer) is not None:
+            # Its forward standardizes the weight already; _plan refuses Scaled WS on it.
+            own.append(prefix or _parametrize.layer_name(layer))
+            continue
         steps.append(_plan(layer, "weight", eps, None, scaled, gamma))
     if not steps:
         names = ", ".join(t.__name__ for t in types)
         reason = (
             f"all {matched} matching layers are already standardized"
+            + (f" ({len(own)} by their own forward, as timm's StdConv2d)" if own else "")
             if matched
             else f"it has no layer of type {names} with a weight"
         )
         raise ValueError(f"nothing to standardize in {_parametrize.layer_name(model)}: {reason}")
     _parametrize.apply_all(steps)
+    if own:
+        warnings.warn(
+            f"apply_weight_standardization skipped {', '.join(own)}: their forward standardizes "
+            "the weight itself (timm's StdConv2d and its kin), and standardizing it again "
+            "would only repeat it",
+            stacklevel=2,
+        )
     return model
 
 
@@ -513,9 +644,9 @@ def _check_removable(module: nn.Module, name: str, bake: bool) -> None:
 def _remove(module: nn.Module, name: str, bake: bool) -> None:
     chain = _parametrize.parametrizations_of(module, name)
     if len(chain) > 1:
-        del _parametrize.originals(module, name)[-1]
+        _parametrize.remove_outermost(module, name)
         return
-    parametrize.remove_parametrizations(module, name, leave_parametrized=bake)
+    _parametrize.remove_parametrizations(module, name, leave_parametrized=bake)
     if bake:
         weight = module._parameters[name]
         if weight is not None and not weight.is_contiguous():
