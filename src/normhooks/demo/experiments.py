@@ -268,41 +268,45 @@ LAMB_LR = 0.02
 ADAMW_WEIGHT_DECAY = 0.01
 
 
-def _large_batch_row(
-    name: str, label: str, batch_size: int, *, lars: bool = False
+def _warmed_up_row(
+    name: str,
+    label: str,
+    batch_size: int,
+    optimizer: Callable[[nn.Module], torch.optim.Optimizer],
+    settings: dict[str, object],
 ) -> Configuration:
-    lr = LARS_LR if lars else _sgd_lr(batch_size)
+    """A row of the large-batch experiment: the batch-norm model, warm-up and poly decay."""
     return Configuration(
         name,
         label,
         batch_size,
         _model("batch"),
-        _sgd(lr, lars=lars),
+        optimizer,
         "poly2",
         warmup_epochs=WARMUP_EPOCHS,
-        settings=_sgd_settings(batch_size, "poly2", WARMUP_EPOCHS, lars=lars) | {"lr": lr},
+        settings=settings,
     )
+
+
+def _large_batch_row(
+    name: str, label: str, batch_size: int, *, lars: bool = False
+) -> Configuration:
+    lr = LARS_LR if lars else _sgd_lr(batch_size)
+    settings = _sgd_settings(batch_size, "poly2", WARMUP_EPOCHS, lars=lars) | {"lr": lr}
+    return _warmed_up_row(name, label, batch_size, _sgd(lr, lars=lars), settings)
 
 
 def _adamw_row(name: str, label: str, lr: float, *, trust: bool) -> Configuration:
-    return Configuration(
-        name,
-        label,
-        LARGE_BATCH,
-        _model("batch"),
-        _adamw(lr, trust=trust),
-        "poly2",
-        warmup_epochs=WARMUP_EPOCHS,
-        settings={
-            "optimizer": "AdamW",
-            "batch_size": LARGE_BATCH,
-            "lr": lr,
-            "weight_decay": ADAMW_WEIGHT_DECAY,
-            "schedule": "poly2",
-            "warmup_epochs": WARMUP_EPOCHS,
-            "trust_ratio": trust,
-        },
-    )
+    settings: dict[str, object] = {
+        "optimizer": "AdamW",
+        "batch_size": LARGE_BATCH,
+        "lr": lr,
+        "weight_decay": ADAMW_WEIGHT_DECAY,
+        "schedule": "poly2",
+        "warmup_epochs": WARMUP_EPOCHS,
+        "trust_ratio": trust,
+    }
+    return _warmed_up_row(name, label, LARGE_BATCH, _adamw(lr, trust=trust), settings)
 
 
 def large_batch() -> Experiment:

@@ -15,7 +15,7 @@ import multiprocessing
 import os
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
@@ -46,17 +46,9 @@ class Job:
     epochs: int
 
 
-@dataclass(frozen=True)
-class _Measured:
-    """A run's numbers, without the configuration (whose callables do not pickle)."""
-
-    epochs: int
-    steps_per_epoch: int
-    train_loss: list[float]
-    test_loss: list[float]
-    test_accuracy: list[float]
-    wall_time_s: float
-    diverged: bool
+# A run's numbers without its configuration, whose callables do not pickle: every field of
+# RunResult but that one, by name, so the two cannot drift apart.
+_Measured = dict[str, Any]
 
 
 def jobs_for(
@@ -110,15 +102,7 @@ def _experiment(cache: dict[str, Experiment], key: str) -> Experiment:
 def _measure(job: Job, dataset: Dataset, cache: dict[str, Experiment]) -> _Measured:
     configuration = _experiment(cache, job.experiment).configuration(job.configuration)
     result = train(configuration, dataset, epochs=job.epochs, seed=job.seed)
-    return _Measured(
-        result.epochs,
-        result.steps_per_epoch,
-        result.train_loss,
-        result.test_loss,
-        result.test_accuracy,
-        result.wall_time_s,
-        result.diverged,
-    )
+    return {f.name: getattr(result, f.name) for f in fields(result) if f.name != "configuration"}
 
 
 def _work(job: Job) -> _Measured:
@@ -164,7 +148,7 @@ def run(
     def record(job: Job, result: _Measured) -> None:
         measured[job] = result
         if done is not None:
-            done(job, result.wall_time_s)
+            done(job, result["wall_time_s"])
 
     if workers == 1:
         local = dataset.to(device)
@@ -198,7 +182,7 @@ def _collect(
     for configuration in experiment.configurations:
         by_seed = {j.seed: measured[j] for j in mine if j.configuration == configuration.name}
         runs[configuration.name] = [
-            RunResult(configuration=configuration, **vars(by_seed[seed])) for seed in seeds
+            RunResult(configuration=configuration, **by_seed[seed]) for seed in seeds
         ]
     return ExperimentResult(experiment, seeds, runs)
 
