@@ -303,7 +303,7 @@ def test_agc_under_fsdp2_communicates_only_through_the_base(
 
 @pytest.mark.parametrize(
     ("key", "where"),
-    [("refused_shard1", "parameters[0]"), ("refused_shard1_hook", "param group 0: parameter 0")],
+    [("refused_shard1", "parameters[0]"), ("refused_shard1_hook", "parameter 0 of param group 0")],
     ids=["functional", "hook"],
 )
 def test_agc_refuses_dtensors_sharded_on_another_dim(

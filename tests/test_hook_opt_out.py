@@ -15,10 +15,10 @@ import torch
 from torch import Tensor, nn
 
 from normhooks import AdaptiveGradientClipping, GradientLARS, TrustRatio
-from normhooks._grad_hook import GradientHook
+from normhooks._step_hook import StepHook
 
 LR = 0.1
-HOOKS: dict[str, Callable[[], GradientHook[Any]]] = {
+HOOKS: dict[str, Callable[[], StepHook[Any]]] = {
     "lars": GradientLARS,
     "agc": AdaptiveGradientClipping,
     "trust": TrustRatio,

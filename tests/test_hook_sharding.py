@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 from normhooks import AdaptiveGradientClipping, GradientLARS, TrustRatio, agc_, lars_
-from normhooks._grad_hook import GradientHook
+from normhooks._step_hook import StepHook
 
 pytestmark = [
     pytest.mark.skipif(
@@ -30,7 +30,7 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore:FSDP is switching to use `NO_SHARD`:UserWarning"),
 ]
 
-HOOKS: dict[str, Callable[[], GradientHook[Any]]] = {
+HOOKS: dict[str, Callable[[], StepHook[Any]]] = {
     "lars": GradientLARS,
     "agc": AdaptiveGradientClipping,
     "trust": TrustRatio,

@@ -774,7 +774,7 @@ def test_half_precision_parameters_refused(dtype: torch.dtype) -> None:
         [nn.Parameter(torch.ones(2)), nn.Parameter(torch.ones(2, dtype=dtype))]
     )
     with pytest.raises(
-        TypeError, match=rf"param group 0: parameter 1 is {dtype}; TrustRatio needs"
+        TypeError, match=rf"parameter 1 of param group 0 is {dtype}; TrustRatio needs"
     ):
         TrustRatio().attach(optimizer)
 
@@ -800,7 +800,7 @@ def test_bad_group_added_later_refused_before_the_closure_and_nothing_changes() 
         calls.append(1)
         return torch.zeros(())
 
-    with pytest.raises(TypeError, match=r"param group 1: parameter 0 is torch\.float16"):
+    with pytest.raises(TypeError, match=r"parameter 0 of param group 1 is torch\.float16"):
         optimizer.step(closure)
     assert calls == []
     for param, old in zip(params, before, strict=True):

@@ -1,13 +1,12 @@
-"""GradientHook, the base of the gradient hooks, on a toy technique written the intended way.
+"""StepHook, the base of the step hooks, on a toy technique written the intended way.
 
-``Scale`` multiplies every gradient by ``factor``: the whole subclass is its settings, their
-check, a prefix and a pure unit function, as AGC or a trust-ratio hook would be.
+``Scale`` multiplies every gradient by ``factor``: the whole subclass is its settings, a
+prefix and a pure unit function, as AGC or gradient centralization is.
 """
 
 from __future__ import annotations
 
 import copy
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,12 +17,12 @@ from torch import Tensor, nn
 from helpers import assert_grad_scaler_matches_unscaled
 from normhooks import AdaptiveGradientClipping, GradientLARS
 from normhooks._checks import positive
-from normhooks._grad_hook import GradientHook, apply_to_parameters_, inverse_scale
+from normhooks._step_hook import Settings, StepHook, setting
 
 
-@dataclass(frozen=True)
-class ScaleSettings:
-    factor: float
+@dataclass(frozen=True, eq=False)
+class ScaleSettings(Settings):
+    factor: float = setting(positive)
 
 
 def scale_unit_(
@@ -31,36 +30,22 @@ def scale_unit_(
     grads: list[Tensor],
     settings: ScaleSettings,
     lr: float | Tensor | None,
-    grad_scale: Tensor | None,
-    found_inf: Tensor | None,
     *,
-    norms: tuple[Tensor, Tensor] | None = None,
-    foreach: bool | None = None,
+    norms: tuple[Tensor, Tensor] | None,
+    foreach: bool | None,
 ) -> Tensor:
-    factor = torch.tensor(settings.factor, device=grads[0].device)
-    if grad_scale is not None:
-        factor = factor * inverse_scale(grad_scale, grads[0].device)
     for grad in grads:
-        grad.mul_(factor.to(grad.dtype))
-    if found_inf is not None:
-        flags = torch.stack([(~torch.isfinite(g)).any() for g in grads]).any()
-        found_inf.copy_(torch.maximum(found_inf, flags.float()))
+        grad.mul_(settings.factor)
     return torch.full((len(grads),), settings.factor)
 
 
-class Scale(GradientHook[ScaleSettings]):
+class Scale(StepHook, ScaleSettings):
     prefix = "scale"
     technique = "gradient scaling"
+    _unit_ = staticmethod(scale_unit_)
 
     def __init__(self, factor: float = 2.0, *, foreach: bool | None = None) -> None:
-        super().__init__(self._check_settings({"factor": factor}, ""), foreach=foreach)
-
-    @classmethod
-    def _check_settings(cls, values: Mapping[str, object], prefix: str) -> ScaleSettings:
-        return ScaleSettings(factor=positive(prefix + "factor", values["factor"]))
-
-    def _unit_(self, *args: Any, **kwargs: Any) -> Tensor:
-        return scale_unit_(*args, **kwargs)
+        super().__init__(factor=factor, foreach=foreach)
 
 
 def model() -> nn.Module:
@@ -101,7 +86,7 @@ def test_hooks_of_different_classes_share_an_optimizer() -> None:
 
 
 def test_grad_scaler_protocol_for_a_new_technique() -> None:
-    """A unit function that writes unscaled values gets the base's AMP handling for free."""
+    """A unit function that knows nothing of GradScaler gets the base's AMP handling."""
 
     def make(fused: bool) -> Any:
         def build(m: nn.Module) -> torch.optim.Optimizer:
@@ -123,9 +108,8 @@ def test_grad_scaler_protocol_for_a_new_technique() -> None:
 def test_functional_form() -> None:
     params = [nn.Parameter(torch.ones(3)), nn.Parameter(torch.ones(2))]
     params[0].grad = torch.ones(3)
-    values = apply_to_parameters_(
-        params, ScaleSettings(4.0), scale_unit_, technique="gradient scaling", foreach=None
-    )
+    values = Scale._apply_to_parameters_(params, ScaleSettings(4.0), None)
+    assert values is not None
     assert values.tolist() == [4.0]
     assert params[0].grad.tolist() == [4.0] * 3
     assert params[1].grad is None
