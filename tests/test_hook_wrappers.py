@@ -9,6 +9,7 @@ TrustRatio on it (with its defaults, threshold and eps 0: the update's direction
 from __future__ import annotations
 
 import copy
+from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -411,3 +412,44 @@ def test_trust_ratio_on_lookaheads_optimizer_is_lookahead_of_the_rescaled_steps(
                     anchor.copy_(param)
     for got, want in zip(model.parameters(), reference.parameters(), strict=True):
         torch.testing.assert_close(got, want)
+
+
+class UnhookedLookahead(torch.optim.Optimizer):
+    """timm's Lookahead in miniature: an Optimizer subclass that never calls
+    ``Optimizer.__init__``, so its own ``step`` runs no step hooks."""
+
+    def __init__(self, base: torch.optim.Optimizer) -> None:
+        self._base_optimizer = base
+        self.param_groups = base.param_groups
+        self.defaults = base.defaults
+        self.state = base.state
+        self._optimizer_step_pre_hooks: dict[int, Callable[..., Any]] = OrderedDict()
+        self._optimizer_step_post_hooks: dict[int, Callable[..., Any]] = OrderedDict()
+
+    def step(self, closure: Callable[[], Tensor] | None = None) -> None:  # type: ignore[override]
+        self._base_optimizer.step(closure)
+
+
+@pytest.mark.parametrize("hook", [GradientLARS, AdaptiveGradientClipping, TrustRatio])
+def test_an_optimizer_whose_step_runs_no_hooks_is_refused(hook: type) -> None:
+    """The hook was registered and silently never ran: w = 3 stepped to 2.5, not to 0."""
+    w = nn.Parameter(torch.tensor([3.0]))
+    optimizer = UnhookedLookahead(torch.optim.SGD([w], lr=1.0))
+    with pytest.raises(
+        TypeError,
+        match=r"cannot be attached to UnhookedLookahead: its step runs no step hooks .* Attach "
+        r".* to the optimizer it wraps and steps \(its \._base_optimizer, a SGD\)",
+    ):
+        hook().attach(optimizer)
+    assert not optimizer._optimizer_step_pre_hooks
+
+
+def test_the_hook_on_the_optimizer_such_a_wrapper_steps_runs() -> None:
+    w = nn.Parameter(torch.tensor([3.0]))
+    optimizer = UnhookedLookahead(torch.optim.SGD([w], lr=1.0))
+    hook = GradientLARS()
+    hook.attach(optimizer._base_optimizer)
+    w.grad = torch.tensor([0.5])
+    optimizer.step()
+    torch.testing.assert_close(w.detach(), torch.tensor([0.0]))  # rate 3 / 0.5: one full step
+    torch.testing.assert_close(hook.last_rates[0], torch.tensor([6.0]))

@@ -694,6 +694,14 @@ def _wrapped(optimizer: torch.optim.Optimizer) -> list[torch.optim.Optimizer]:
         current = inner
 
 
+def _held_optimizer(optimizer: torch.optim.Optimizer) -> str:
+    """`` (its .name, a Class)`` for an optimizer that ``optimizer`` holds, or ''."""
+    for name, value in vars(optimizer).items():
+        if isinstance(value, torch.optim.Optimizer) and value is not optimizer:
+            return f" (its .{name}, a {type(value).__name__})"
+    return ""
+
+
 @dataclass
 class _Pending:
     """What an update hook's pre-step keeps for its post-step: each unit at this step, its
@@ -717,12 +725,13 @@ class StepHook:
     - :meth:`attach` unwraps accelerate's and Lightning's optimizer wrappers, registers the
       hook with ``register_step_pre_hook`` (and, for a hook on the updates,
       ``register_step_post_hook``) and returns the
-      :class:`~torch.utils.hooks.RemovableHandle`. Refused: LBFGS (it evaluates its closure
-      many times per step); optimizers that step a ``base_optimizer`` (SAM and its kin: the
-      hook belongs on ``base_optimizer``); for a hook on the updates, optimizers that step
-      the one they hold in ``.optimizer`` (Lookahead); DeepSpeed's optimizers; and a second
-      hook of the same technique in the optimizer's step-hook dict or in that of an
-      optimizer it wraps (it would apply the technique twice).
+      :class:`~torch.utils.hooks.RemovableHandle`. Refused: optimizers whose ``step`` runs no
+      step hook (a subclass that skips ``Optimizer.__init__``, like timm's ``Lookahead``);
+      LBFGS (it evaluates its closure many times per step); optimizers that step a
+      ``base_optimizer`` (SAM and its kin: the hook belongs on ``base_optimizer``); for a hook
+      on the updates, optimizers that step the one they hold in ``.optimizer`` (Lookahead);
+      DeepSpeed's optimizers; and a second hook of the same technique in the optimizer's
+      step-hook dict or in that of an optimizer it wraps (it would apply the technique twice).
     - Every param group that takes part, and its parameters, is checked when attaching and
       again before each step where the group changed (groups may be added, their settings
       and params edited), with one function, before anything changes; a group that opts out
@@ -853,6 +862,14 @@ class StepHook:
                 )
             raise TypeError(
                 f"optimizer must be a torch.optim.Optimizer, got {type(given).__name__}"
+            )
+        if not compat.step_runs_hooks(optimizer):
+            raise TypeError(
+                f"{name} cannot be attached to {type(optimizer).__name__}: its step runs no "
+                "step hooks (torch.optim.Optimizer.__init__, which wraps a class's step so "
+                f"that it runs them, was never called for it), so {name} would be silently "
+                f"ignored. Attach {name} to the optimizer it wraps and steps"
+                f"{_held_optimizer(optimizer)}"
             )
         if isinstance(optimizer, torch.optim.LBFGS):
             raise TypeError(

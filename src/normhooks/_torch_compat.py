@@ -218,6 +218,17 @@ def fused_grad_scaling(optimizer: torch.optim.Optimizer) -> FusedGradScaling | N
     return FusedGradScaling(optimizer, scale, flag if isinstance(flag, Tensor) else None)
 
 
+def step_runs_hooks(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer.step`` runs the step hooks registered on it (2.11, 2.13).
+
+    ``Optimizer.__init__`` (through ``_patch_step_function``) wraps the class's ``step`` in
+    ``profile_hook_step``, which runs the pre- and post-hooks, and marks the wrapper
+    ``hooked = True``. A subclass that never calls it (timm's ``Lookahead``) keeps its own
+    ``step``, which runs no hook.
+    """
+    return bool(getattr(type(optimizer).step, "hooked", False))
+
+
 class _JoinedHandle(RemovableHandle):
     """``first``'s handle (its id and dicts), whose ``remove()`` also removes ``second``.
 
