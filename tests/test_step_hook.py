@@ -17,7 +17,7 @@ from torch import Tensor, nn
 from helpers import assert_grad_scaler_matches_unscaled
 from normhooks import AdaptiveGradientClipping, GradientLARS
 from normhooks._checks import positive
-from normhooks._step_hook import Settings, StepHook, setting
+from normhooks._step_hook import Settings, StepHook, _Copies, setting
 
 
 @dataclass(frozen=True, eq=False)
@@ -211,3 +211,21 @@ def test_an_error_inside_grad_scaler_step_leaves_no_scale_for_the_next_step() ->
     expected = b.detach() - b.grad / 1024.0
     scaler.step(optimizer)
     torch.testing.assert_close(b.detach(), expected)
+
+
+def test_an_update_hooks_copy_goes_back_to_the_allocator_after_each_step_off_the_cpu() -> None:
+    """Off the CPU a caching allocator keeps freed blocks: the copy's memory is released
+    between steps (its storage resized to 0) and its views stay valid for the next."""
+    tensors = [torch.randn(3, 4, device="meta"), torch.randn(5, device="meta")]
+    copies = _Copies(tensors)
+    views = copies.hold(tensors, None)
+    storage = views[0].untyped_storage()
+    assert storage.nbytes() == 17 * 4
+    copies.release()
+    assert storage.nbytes() == 0
+    assert copies.hold(tensors, None) is views
+    assert storage.nbytes() == 17 * 4
+    assert [v.shape for v in views] == [(3, 4), (5,)]
+    assert copies.fits([torch.empty(3, 4, device="meta"), torch.empty(5, device="meta")])
+    assert not copies.fits([torch.empty(4, 3, device="meta"), torch.empty(5, device="meta")])
+    assert not copies.fits([torch.empty(3, 4), torch.empty(5)])

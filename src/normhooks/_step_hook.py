@@ -403,6 +403,7 @@ class _Unit:
     dtensors: bool = False
     reduce: _Reduce | None = None
     reduce_key: Any = None
+    copies: _Copies | None = None
 
 
 @dataclass
@@ -497,16 +498,18 @@ def _bind(unit: _Unit, where: Callable[[int], str], technique: str) -> _Bound | 
     """The unit's parameters with a gradient at this step (None if there are none)."""
     grads: list[Any] = [p.grad for p in unit.params]
     positions, params = unit.positions, unit.params
-    if any(g is None for g in grads):
+    strided = torch.strided
+    # One pass in the usual case: every parameter has a dense gradient.
+    if any(g is None or g.layout is not strided for g in grads):
         kept = [i for i, g in enumerate(grads) if g is not None]
         if not kept:
             return None
         positions = [positions[i] for i in kept]
         params = [params[i] for i in kept]
         grads = [grads[i] for i in kept]
-    for position, grad in zip(positions, grads, strict=True):
-        if grad.layout is not torch.strided:
-            check_dense_grad(grad, where(position), technique)
+        for position, grad in zip(positions, grads, strict=True):
+            if grad.layout is not strided:
+                check_dense_grad(grad, where(position), technique)
     if unit.dtensors:
         for position, param, grad in zip(positions, params, grads, strict=True):
             _check_grad_layout(param, grad, where(position), technique)
@@ -575,10 +578,6 @@ def _in_order(per_unit: list[tuple[list[int], Tensor]]) -> Tensor:
 # --- the plan: what is checked and grouped once per param-group layout -------------------------
 
 
-def _address(param: Tensor) -> int:
-    return param.data_ptr()
-
-
 _DTYPE = operator.attrgetter("dtype")
 _PLAIN = (Tensor, nn.Parameter)
 
@@ -628,7 +627,7 @@ def _same_items(group: Mapping[str, Any], items: Mapping[str, object]) -> bool:
 def _fingerprint(params: Sequence[Tensor]) -> tuple[list[torch.dtype], list[int]]:
     """Each parameter's dtype and address: a ``.data =`` that moves it, converts it or swaps
     its storage changes one of them."""
-    return list(map(_DTYPE, params)), list(map(_address, params))
+    return list(map(_DTYPE, params)), list(map(Tensor.data_ptr, params))
 
 
 def _namer(group_index: int) -> Callable[[int], str]:
@@ -704,13 +703,12 @@ def _held_optimizer(optimizer: torch.optim.Optimizer) -> str:
 
 @dataclass
 class _Pending:
-    """What an update hook's pre-step keeps for its post-step: each unit at this step, its
-    parameters' old values and settings and lr of its group."""
+    """What an update hook's pre-step keeps for its post-step: each group's units at this
+    step (their ``sources`` the old values) and each group's settings and lr."""
 
-    bound: list[_Bound]
-    olds: list[list[Tensor]]
+    bound: Sequence[Sequence[_Bound]]
     jobs: list[tuple[Settings | None, Lr]]
-    values_of: list[list[int]]
+    held: list[_Copies]
 
 
 class StepHook:
@@ -1203,19 +1201,23 @@ class StepHook:
         plan: Sequence[_GroupPlan],
         bound: Sequence[Sequence[_Bound]],
     ) -> None:
-        """An update hook's pre-step: a copy of every parameter that takes part."""
-        flat: list[_Bound] = []
-        olds: list[list[Tensor]] = []
-        jobs: list[tuple[Settings | None, Lr]] = []
-        values_of: list[list[int]] = []
-        for index, (group_plan, of_group) in enumerate(zip(plan, bound, strict=True)):
-            jobs.append((group_plan.settings, group_plan.group.get("lr")))
-            values_of.append([])
+        """An update hook's pre-step: the old value of every parameter that takes part, in its
+        unit's buffer."""
+        held = []
+        compiling = torch.compiler.is_compiling()
+        for of_group in bound:
             for b in of_group:
-                values_of[index].append(len(flat))
-                flat.append(b)
-                olds.append(_copies(b.params, self._foreach))
-        self._pending[optimizer] = _Pending(flat, olds, jobs, values_of)
+                if compiling:
+                    # Nothing outlives a trace, and it cannot read a storage's size.
+                    b.sources = _fresh_copies(b.params, self._foreach)
+                    continue
+                copies = b.unit.copies
+                if copies is None or not copies.fits(b.params):
+                    copies = b.unit.copies = _Copies(b.params)
+                b.sources = copies.hold(b.params, self._foreach)
+                held.append(copies)
+        jobs = [(group_plan.settings, group_plan.group.get("lr")) for group_plan in plan]
+        self._pending[optimizer] = _Pending(bound, jobs, held)
 
     def _after_step(
         self, optimizer: torch.optim.Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -1225,42 +1227,37 @@ class StepHook:
         pending = self._pending.pop(optimizer, None)
         if pending is None:
             return
+        flat = [b for of_group in pending.bound for b in of_group]
+        foreach = self._foreach
         with torch.no_grad():
-            norms = {}
-            for i, (b, olds) in enumerate(zip(pending.bound, pending.olds, strict=True)):
-                w_norm = euclidean_norms(olds, self._foreach)
-                if self._foreach is False:
+            squares = {}
+            for i, b in enumerate(flat):
+                olds = b.sources
+                w_norm = euclidean_norms(olds, foreach)
+                if foreach is False:
                     for old, param in zip(olds, b.params, strict=True):
                         old.sub_(param)
                 else:
                     compat.foreach_sub_(olds, b.params)
-                norms[i] = (w_norm, euclidean_norms(olds, self._foreach))
-                b.norms = norms[i]
-            squares = {
-                i: torch.cat(norms[i]).square()
-                for i, b in enumerate(pending.bound)
-                if b.unit.reduce
-            }
-            for i, total in sum_over_shards(pending.bound, squares).items():
+                b.norms = (w_norm, euclidean_norms(olds, foreach))
+                if b.unit.reduce:
+                    squares[i] = torch.cat(b.norms).square()
+            for i, total in sum_over_shards(flat, squares).items():
                 w_norm, d_norm = total.sqrt().chunk(2)
-                pending.bound[i].norms = (w_norm, d_norm)
+                flat[i].norms = (w_norm, d_norm)
             results = []
-            for (settings, lr), indices in zip(pending.jobs, pending.values_of, strict=True):
+            for (settings, lr), of_group in zip(pending.jobs, pending.bound, strict=True):
                 per_unit = []
-                for i in indices:
-                    b = pending.bound[i]
+                for b in of_group:
                     values = type(self)._unit_(
-                        b.params,
-                        pending.olds[i],
-                        settings,
-                        lr,
-                        norms=b.norms,
-                        foreach=self._foreach,
+                        b.params, b.sources, settings, lr, norms=b.norms, foreach=foreach
                     )
                     if values is not None:
                         per_unit.append((b.positions, values))
                 results.append(_in_order(per_unit) if per_unit else torch.empty(0))
             self._last_values = results
+        for copies in pending.held:
+            copies.release()
 
     def _unscale_skipped_(self, params: list[Tensor], scaling: compat.FusedGradScaling) -> None:
         """Unscales the gradients the technique left alone, since the step will not.
@@ -1358,14 +1355,62 @@ def _written_(
     unscale_and_check_(grads, flag, torch.ones_like(flag), foreach)
 
 
-def _copies(tensors: list[Tensor], foreach: bool | None) -> list[Tensor]:
+class _Copies:
+    """Where an update hook keeps a unit's old parameter values during a step: one flat buffer
+    and a view of it shaped like each parameter.
+
+    It is made for one device, dtype and list of shapes, and used again while the unit's
+    parameters have them (:meth:`fits`); every step copies the values in afresh, so nothing
+    of an earlier step is ever read. On the CPU the buffer is kept between steps: glibc would
+    hand a block that large back to the system at each free, and the next step would fault
+    every page in again. Elsewhere its memory goes back to the caching allocator after each
+    step (the storage is resized to 0 and back, which keeps the views), so that between steps
+    it costs none.
+    """
+
+    def __init__(self, tensors: list[Tensor]) -> None:
+        self._layout = _layout(tensors)
+        numels = [t.numel() for t in tensors]
+        self._flat = torch.empty(sum(numels), dtype=tensors[0].dtype, device=tensors[0].device)
+        self._bytes = self._flat.untyped_storage().nbytes()
+        self._keep = self._flat.device.type == "cpu"
+        self._views = [
+            view.view(t.shape)
+            for view, t in zip(torch.split(self._flat, numels), tensors, strict=True)
+        ]
+
+    def fits(self, tensors: list[Tensor]) -> bool:
+        return _layout(tensors) == self._layout
+
+    def hold(self, tensors: list[Tensor], foreach: bool | None) -> list[Tensor]:
+        """Copies ``tensors`` in; returns the views holding them."""
+        storage = self._flat.untyped_storage()
+        if storage.nbytes() != self._bytes:
+            storage.resize_(self._bytes)
+        _copy_(self._views, tensors, foreach)
+        return self._views
+
+    def release(self) -> None:
+        if not self._keep:
+            self._flat.untyped_storage().resize_(0)
+
+
+def _layout(tensors: list[Tensor]) -> tuple[object, ...]:
+    return (tensors[0].device, tensors[0].dtype, *(t.shape for t in tensors))
+
+
+def _fresh_copies(tensors: list[Tensor], foreach: bool | None) -> list[Tensor]:
     copies = [torch.empty_like(t) for t in tensors]
-    if foreach is False:
-        for copy, tensor in zip(copies, tensors, strict=True):
-            copy.copy_(tensor)
-    else:
-        compat.foreach_copy_(copies, tensors)
+    _copy_(copies, tensors, foreach)
     return copies
+
+
+def _copy_(targets: list[Tensor], sources: list[Tensor], foreach: bool | None) -> None:
+    if foreach is False:
+        for target, source in zip(targets, sources, strict=True):
+            target.copy_(source)
+    else:
+        compat.foreach_copy_(targets, sources)
 
 
 class _SingleUseClosure:

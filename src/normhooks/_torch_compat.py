@@ -141,7 +141,7 @@ def pop_forward_pre_hook(module: nn.Module, hook: object) -> Callable[[], None]:
     return restore
 
 
-_PLAIN = (Tensor, nn.Parameter)
+_PLAIN = frozenset((Tensor, nn.Parameter))
 
 
 def plain_eager(*tensors: Tensor) -> bool:
@@ -152,7 +152,7 @@ def plain_eager(*tensors: Tensor) -> bool:
     all of these get the plain torch formula, which they can follow.
     """
     return (
-        all(type(t) in _PLAIN for t in tensors)
+        _PLAIN.issuperset(map(type, tensors))
         and not torch.compiler.is_compiling()
         and not torch.jit.is_tracing()  # type: ignore[attr-defined,no-untyped-call]
         and not torch.onnx.is_in_onnx_export()
