@@ -359,8 +359,8 @@ def test_a_group_opts_out_and_a_group_overrides_a_setting(kind: Kind) -> None:
     key, value, name = kind.override
     optimizer = torch.optim.SGD(
         [
-            {"params": params[:1]},
-            {"params": params[1:3], key: value},
+            {"params": params[:2], key: value},
+            {"params": params[2:3]},
             {"params": params[3:], kind.prefix: False},
         ],
         lr=LR,
@@ -368,11 +368,11 @@ def test_a_group_opts_out_and_a_group_overrides_a_setting(kind: Kind) -> None:
     before = snapshot(params)
     kind.make().attach(optimizer)
     optimizer.step()
-    assert_stepped(kind, params[:1], before[:1])
-    assert_stepped(kind, params[1:3], before[1:3], **{name: value})
+    assert_stepped(kind, params[:2], before[:2], **{name: value})
+    assert_stepped(kind, params[2:3], before[2:3])
     assert_plain_sgd(params[3:], before[3:])
-    # The override changes the result, so the comparisons above tell the groups apart.
-    w, g = before[2]
+    # The override changes the matrix's step, so the comparisons above tell the groups apart.
+    w, g = before[0]
     assert not torch.allclose(kind.stepped(w, g, LR), kind.stepped(w, g, LR, **{name: value}))
 
 
@@ -822,8 +822,8 @@ def test_the_fused_protocol_keeps_small_half_precision_gradients(kind: Kind) -> 
     """True gradients below float16's range are unscaled in float32, not in the grad's dtype."""
     param = nn.Parameter(torch.full((2, 6), 0.5, dtype=torch.float16))
     scale = torch.tensor(65536.0)
-    true_grad = torch.full((2, 6), 2e-8)
-    true_grad[1] *= 3.0  # below float16's smallest subnormal, 6e-8, then a little above
+    # From below float16's smallest subnormal, 6e-8, to a little above, within each row.
+    true_grad = torch.linspace(1e-8, 9e-8, 12).view(2, 6)
     param.grad = (true_grad * scale).to(torch.float16)
     optimizer = torch.optim.SGD([param], lr=0.1)
     optimizer.grad_scale = scale  # type: ignore[attr-defined]  # what GradScaler sets
