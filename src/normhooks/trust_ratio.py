@@ -163,9 +163,11 @@ class TrustRatio(StepHook, TrustRatioSettings):
     With ``torch.optim.SGD(momentum)`` it is optax's ``chain(trace(momentum),
     scale_by_trust_ratio(), scale(-lr))``.
 
-    Cost: one copy of the parameters taking part, held while the step runs and released
-    after it; the copy, the norms and the rescaling are multi-tensor ops (``foreach``), and
-    nothing is read back to the host. The optimizer's ``state_dict`` is untouched.
+    Cost: one copy of the parameters taking part, one flat buffer per device and dtype: kept
+    between steps on the CPU (where freeing and allocating it again would fault every page
+    in at each step), given back to the caching allocator after each step elsewhere; the
+    copy, the norms and the rescaling are multi-tensor ops (``foreach``), and nothing is read
+    back to the host. The optimizer's ``state_dict`` is untouched.
 
     Precision: the update is read as a difference of parameters after the optimizer has
     rounded :math:`w_{new}`, whose rounding error (half a unit in the last place) the ratio
