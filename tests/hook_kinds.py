@@ -15,7 +15,15 @@ from typing import Any
 
 from torch import Tensor
 
-from normhooks import AdaptiveGradientClipping, GradientLARS, TrustRatio, agc_, lars_
+from normhooks import (
+    AdaptiveGradientClipping,
+    GradientCentralization,
+    GradientLARS,
+    TrustRatio,
+    agc_,
+    centralize_gradients_,
+    lars_,
+)
 
 
 def lars_rate(
@@ -87,6 +95,15 @@ def trust_ratio(
         return 1.0
     ratio = trust_coefficient * w_norm / (u_norm + eps)
     return ratio if clip is None else min(ratio, clip)
+
+
+def centralized(w: Tensor, g: Tensor, lr: float, *, conv_only: bool = False) -> Tensor:
+    """Yong et al. 2020: the gradient of a tensor of 2 or more dims (4 or more with
+    ``conv_only``) minus its mean over every dim but dim 0."""
+    g64 = g.double()
+    if g64.ndim < (4 if conv_only else 2):
+        return g64
+    return g64 - g64.mean(dim=tuple(range(1, g64.ndim)), keepdim=True)
 
 
 @dataclass(frozen=True)
@@ -167,6 +184,13 @@ KINDS: dict[str, Kind] = {
         override=("trust_coefficient", 0.5, "trust_coefficient"),
         bad_override=("trust_clip", 0.0, r"param group \d: trust_clip must be positive"),
         values="last_ratios",
+    ),
+    "gc": Kind(
+        GradientCentralization,
+        centralize_gradients_,
+        gradient=centralized,
+        override=("gc_conv_only", True, "conv_only"),
+        bad_override=("gc_conv_only", 1, r"param group \d: gc_conv_only must be a bool"),
     ),
 }
 ON_GRADIENTS = {name: kind for name, kind in KINDS.items() if not kind.on_updates}
