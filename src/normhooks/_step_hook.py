@@ -7,8 +7,9 @@ so it composes with every optimizer. A technique subclasses :class:`StepHook` an
   ``.grad`` in place before the optimizer's update) or ``"updates"`` (the trust ratio: each
   parameter's change after the update, from a copy of the parameters taken before it);
 - its settings: a frozen dataclass deriving :class:`Settings`, each field declared with
-  ``setting(check)``. The hook's constructor checks them, its read-only properties and its
-  ``repr`` are derived from them, and a param group overrides field ``name`` with the key
+  ``setting(check)`` and documented there. The hook class derives from it too, so the
+  settings are the hook's read-only attributes and make its ``repr``; the base's
+  constructor checks them, and a param group overrides field ``name`` with the key
   ``"<prefix>_<name>"`` (or ``name`` itself where it starts with ``"<prefix>_"``);
 - its key prefix (``prefix = "lars"``: groups opt out with ``"lars": False``) and its name in
   messages (``technique = "LARS"``);
@@ -26,12 +27,16 @@ returns a warning, emitted once per optimizer and group) and ``_check_param(para
 The AMP protocol, for a fused optimizer under :class:`torch.amp.GradScaler`, is the base's:
 a unit function that does not declare ``scaled_gradients`` receives unscaled gradients
 (float32 copies of float16/bfloat16 ones) and its results are checked for inf/NaN by the
-base. One that declares it receives ``grad_scale`` and ``found_inf``: its gradients are
-scaled by ``grad_scale``, what it writes must be unscaled, it sets ``found_inf`` to 1 (never
-adds) where a written value is not finite, and never reads a tensor value back to the host.
+base. One that declares it receives the keyword arguments ``grad_scale`` and ``found_inf``: its
+gradients are scaled by ``grad_scale``, what it writes must be unscaled, it sets
+``found_inf`` to 1 (never adds) where a written value is not finite, and never reads a tensor
+value back to the host.
 
-What is planned (validation, grouping into units, settings and overrides) is planned once
-per param-group layout and reused while a cheap fingerprint of it holds.
+What does not change from step to step (validation, settings and overrides, grouping into
+units) is planned once per param-group layout and reused while a fingerprint of the layout
+holds: the param groups and their entries (by identity), each parameter's identity, dtype and
+address; it reads no tensor value. What a step brings (gradients present or not, dense or
+not, new gradient tensors, the lr) is read at each step.
 """
 
 from __future__ import annotations
@@ -52,7 +57,6 @@ from normhooks import _torch_compat as compat
 from normhooks._precision import HALF_DTYPES, compute_dtype
 
 __all__ = [
-    "ScaledUnitFunction",
     "Settings",
     "StepHook",
     "UnitFunction",
@@ -115,7 +119,8 @@ class UnitFunction(Protocol[S_contra]):
     ``params`` hold the optimizer's new values and ``reverts`` are ``w_old - w_new``.
     ``norms`` are ``(||w||, ||t||)`` of the whole tensors (``t`` the gradient; for update
     hooks, ``w`` is ``w_old`` and ``t`` the revert) where the base computed them: always
-    for update hooks, for sharded units of gradient hooks; otherwise None.
+    for update hooks, for sharded units of gradient hooks; otherwise None. A gradient hook
+    that declares ``scaled_gradients`` also takes ``grad_scale`` and ``found_inf``.
     """
 
     def __call__(
@@ -124,26 +129,10 @@ class UnitFunction(Protocol[S_contra]):
         tensors: list[Tensor],
         settings: S_contra,
         lr: Lr,
+        /,
         *,
         norms: tuple[Tensor, Tensor] | None,
         foreach: bool | None,
-    ) -> Tensor | None: ...
-
-
-class ScaledUnitFunction(Protocol[S_contra]):
-    """A gradient hook's unit function that takes GradScaler's scaled gradients itself."""
-
-    def __call__(
-        self,
-        params: list[Tensor],
-        grads: list[Tensor],
-        settings: S_contra,
-        lr: Lr,
-        *,
-        norms: tuple[Tensor, Tensor] | None,
-        foreach: bool | None,
-        grad_scale: Tensor | None,
-        found_inf: Tensor | None,
     ) -> Tensor | None: ...
 
 
@@ -768,7 +757,7 @@ class StepHook:
     row_wise: ClassVar[bool] = False
     whole_norms: ClassVar[bool] = True
     _settings_class: ClassVar[type[Settings]]
-    _unit_: ClassVar[Callable[..., Tensor | None]]
+    _unit_: ClassVar[UnitFunction[Any]]
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
