@@ -23,7 +23,6 @@ from hook_kinds import KINDS
 from normhooks import (
     AdaptiveGradientClipping,
     GradientLARS,
-    TrustRatio,
     agc_,
     agc_param_groups,
     apply_weight_norm,
@@ -428,19 +427,12 @@ def train_trust_ratio(
     count: Callable[[Callable[[], object]], int] | None = None,
 ) -> dict[str, Any]:
     """STEPS of AdamW + TrustRatio (LAMB); the ratios and, with ``count``, collectives."""
-    optimizer = torch.optim.AdamW(model.parameters(), lr=ADAMW_LR, weight_decay=WEIGHT_DECAY)
-    hook = TrustRatio()
-    hook.attach(optimizer)
-    ratios, collectives = [], []
-    for x, y in batches:
-        optimizer.zero_grad()
-        F.mse_loss(model(shard(x)), shard(y)).backward()
-        if count is None:
-            optimizer.step()
-        else:
-            collectives.append(count(optimizer.step))
-        ratios.append([r.clone() for r in hook.last_ratios])
-    return {"ratios": ratios, "collectives": collectives, "params": full_parameters(model)}
+
+    def adamw(params: Any) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(params, lr=ADAMW_LR, weight_decay=WEIGHT_DECAY)
+
+    trained = train_hook("trust", model, batches, shard, count, make_optimizer=adamw)
+    return {"ratios": trained["values"], **trained}
 
 
 def fsdp_trust_ratio(rank: int, world: int, out: Path) -> dict[str, Any]:
@@ -470,11 +462,16 @@ def train_hook(
     batches: list[tuple[torch.Tensor, torch.Tensor]],
     shard: Callable[[torch.Tensor], torch.Tensor],
     count: Callable[[Callable[[], object]], int] | None = None,
+    make_optimizer: Callable[[Any], torch.optim.Optimizer] | None = None,
 ) -> dict[str, Any]:
-    """STEPS of momentum SGD with the hook of KINDS[name]; its values of every step (where it
-    has any), the collectives each step issued (with ``count``) and the full parameters."""
+    """STEPS of momentum SGD (or ``make_optimizer``'s) with the hook of KINDS[name]; its values
+    of every step (where it has any), the collectives each step issued (with ``count``) and
+    the full parameters."""
     kind = KINDS[name]
-    optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+    if make_optimizer is None:
+        optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+    else:
+        optimizer = make_optimizer(model.parameters())
     hook = kind.make()
     hook.attach(optimizer)
     values, collectives = [], []

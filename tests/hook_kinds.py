@@ -80,9 +80,9 @@ def agc_value(w: Tensor, g: Tensor, lr: float, **settings: Any) -> float:
     return max(agc_rows(w, g, **settings)[1], default=0.0)
 
 
-def trust_ratio(
-    w: Tensor,
-    u: Tensor,
+def guarded_ratio(
+    w_norm: float,
+    u_norm: float,
     *,
     threshold: float = 0.0,
     eps: float = 0.0,
@@ -90,11 +90,14 @@ def trust_ratio(
     clip: float | None = None,
 ) -> float:
     """You et al. 2019's ratio ``||w|| / (||u|| + eps)``, 1 where a norm is at its floor."""
-    w_norm, u_norm = w.double().norm().item(), u.double().norm().item()
     if w_norm <= threshold or u_norm == 0:
         return 1.0
     ratio = trust_coefficient * w_norm / (u_norm + eps)
     return ratio if clip is None else min(ratio, clip)
+
+
+def trust_ratio(w: Tensor, u: Tensor, **settings: Any) -> float:
+    return guarded_ratio(w.double().norm().item(), u.double().norm().item(), **settings)
 
 
 def centralized(w: Tensor, g: Tensor, lr: float, *, conv_only: bool = False) -> Tensor:

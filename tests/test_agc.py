@@ -13,6 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
+from hook_kinds import agc_rows
 from normhooks import (
     AdaptiveGradientClipping,
     GradientLARS,
@@ -25,23 +26,11 @@ from normhooks import (
 def reference(
     w: torch.Tensor, g: torch.Tensor, clipping: float = 0.01, eps: float = 1e-3
 ) -> tuple[torch.Tensor, float]:
-    """The clipped gradient and the largest ratio, from the paper's formula in float64.
-
-    Units as in timm's ``unitwise_norm``: the rows along dim 0 of a tensor with at least two
-    dimensions, the whole tensor otherwise.
-    """
-    w64, g64 = w.detach().double(), g.double()
-    rows = 1 if w64.ndim < 2 else w64.shape[0]
-    size = w64.numel() // rows if rows else 0
-    w_rows, g_rows = w64.reshape(rows, size), g64.reshape(rows, size).clone()
-    ratios = []
-    for i in range(rows):
-        w_norm = max(w_rows[i].norm().item(), eps)
-        g_norm = g_rows[i].norm().item()
-        ratios.append(g_norm / w_norm)
-        if g_norm / w_norm > clipping:
-            g_rows[i] *= clipping * w_norm / g_norm
-    return g_rows.reshape(g.shape), max(ratios, default=0.0)
+    """The clipped gradient and the largest ratio, from the paper's formula in float64 (units
+    as in timm's ``unitwise_norm``: the rows along dim 0 of a tensor of 2 or more dims, the
+    whole tensor otherwise)."""
+    clipped, ratios = agc_rows(w, g, clipping=clipping, eps=eps)
+    return clipped, max(ratios, default=0.0)
 
 
 def param_with_grad(

@@ -24,6 +24,7 @@ from torch import Tensor, nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from helpers import assert_close_rel, assert_compiled_training_matches_eager
+from helpers import assert_grad_scaler_matches_unscaled as scaled_matches_unscaled
 from hook_kinds import KINDS, ON_GRADIENTS, Kind
 from normhooks._step_hook import StepHook
 
@@ -738,28 +739,23 @@ def split_groups(model: nn.Module, prefix: str) -> list[dict[str, Any]]:
 
 
 def assert_grad_scaler_matches_unscaled(
-    kind: Kind, make: Callable[[Any], torch.optim.Optimizer], fused: bool, foreach: bool | None
+    kind: Kind, make: Callable[..., torch.optim.Optimizer], fused: bool, foreach: bool | None
 ) -> None:
     """Three steps through GradScaler equal three plain steps of a copy, both groups (the
     hooked one and the one that opts out) included."""
+
+    def build(fused: bool) -> Callable[[nn.Module], torch.optim.Optimizer]:
+        def attached(model: nn.Module) -> torch.optim.Optimizer:
+            optimizer = make(split_groups(model, kind.prefix), fused=fused)
+            kind.make(foreach=foreach).attach(optimizer)
+            return optimizer
+
+        return attached
+
     model = nn.Sequential(nn.Linear(5, 8), nn.ReLU(), nn.Linear(8, 3))
-    reference = copy.deepcopy(model)
-    x = torch.randn(16, 5)
-    optimizer = make(split_groups(model, kind.prefix), fused=fused)  # type: ignore[call-arg]
-    reference_optimizer = make(split_groups(reference, kind.prefix))
-    kind.make(foreach=foreach).attach(optimizer)
-    kind.make(foreach=foreach).attach(reference_optimizer)
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
-    for _ in range(3):
-        optimizer.zero_grad()
-        scaler.scale(model(x).square().mean()).backward()
-        scaler.step(optimizer)
-        scaler.update()
-        reference_optimizer.zero_grad()
-        reference(x).square().mean().backward()
-        reference_optimizer.step()
-    for a, b in zip(model.parameters(), reference.parameters(), strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    scaled_matches_unscaled(
+        model, torch.randn(16, 5), build(fused), build(False), rtol=1e-5, atol=1e-6
+    )
 
 
 FUSED_OPTIMIZERS: dict[str, Callable[..., torch.optim.Optimizer]] = {

@@ -13,6 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
+from hook_kinds import lars_rate
 from normhooks import GradientLARS, apply_weight_norm, lars_, lars_param_groups
 
 
@@ -26,14 +27,16 @@ def reference(
     clip_lr: float | None = None,
 ) -> tuple[torch.Tensor, float]:
     """The hooked gradient and the rate, written out in float64 from the paper's formula."""
-    w64, g64 = w.double(), g.double()
-    w_norm, g_norm = w64.norm().item(), g64.norm().item()
-    rate = 1.0
-    if w_norm > threshold:
-        rate = trust_coefficient * w_norm / (eps + g_norm + weight_decay * w_norm)
-        if clip_lr is not None:
-            rate = min(rate / clip_lr, 1.0)
-    return rate * (g64 + weight_decay * w64), rate
+    settings = {"threshold": threshold, "weight_decay": weight_decay, "eps": eps}
+    rate = lars_rate(
+        w,
+        g,
+        1.0 if clip_lr is None else clip_lr,
+        trust_coefficient=trust_coefficient,
+        clip=clip_lr is not None,
+        **settings,
+    )
+    return rate * (g.double() + weight_decay * w.double()), rate
 
 
 def param_with_grad(*shape: int, dtype: torch.dtype = torch.float32) -> nn.Parameter:

@@ -17,6 +17,7 @@ from torch import Tensor, nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from helpers import assert_close_rel
+from hook_kinds import guarded_ratio
 from normhooks import GradientLARS, TrustRatio
 
 SHAPES = [(6, 5), (5,), (3, 6, 2), (3,)]
@@ -34,20 +35,6 @@ def make_grads(steps: int, dtype: torch.dtype = torch.float64, seed: int = 1) ->
     return [
         [torch.randn(s, generator=generator, dtype=dtype) for s in SHAPES] for _ in range(steps)
     ]
-
-
-def guarded_ratio(
-    w_norm: float,
-    u_norm: float,
-    threshold: float = 0.0,
-    eps: float = 0.0,
-    coefficient: float = 1.0,
-    clip: float | None = None,
-) -> float:
-    if w_norm <= threshold or u_norm == 0:
-        return 1.0
-    ratio = coefficient * w_norm / (u_norm + eps)
-    return ratio if clip is None else min(ratio, clip)
 
 
 def lamb_reference(
@@ -359,7 +346,7 @@ def test_one_sgd_step_matches_formula(
     hook = TrustRatio(threshold, eps, trust_coefficient=coefficient, clip=clip)
     hook.attach(optimizer)
     run_hooked(params, optimizer, [grads], hook)
-    trust = {"threshold": threshold, "eps": eps, "coefficient": coefficient, "clip": clip}
+    trust = {"threshold": threshold, "eps": eps, "trust_coefficient": coefficient, "clip": clip}
     for param, w, g, got_ratio in zip(params, old, grads, hook.last_ratios[0], strict=True):
         ratio = guarded_ratio(w.norm().item(), g.norm().item(), **trust)
         # The update is read back as w_new - w_old, whose rounding (half an ulp of |w| per
