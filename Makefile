@@ -40,6 +40,8 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/host.py
 	$(BIN)/python benchmarks/lars.py
 	$(BIN)/python benchmarks/agc.py
+	$(BIN)/python benchmarks/trust_ratio.py
+	$(BIN)/python benchmarks/gradient_centralization.py
 	$(BIN)/python benchmarks/ws.py
 	$(BIN)/python benchmarks/wn.py
 

@@ -1,9 +1,12 @@
-"""TrustRatio's cost on top of AdamW, side by side with a LAMB optimizer, on real models' shapes.
+"""TrustRatio's cost on top of AdamW, side by side with the LAMB optimizers users pick instead.
 
-Prints ``(TrustRatio + AdamW(foreach)) / AdamW(foreach)`` and ``LAMB / AdamW(foreach)``, where
-LAMB is timm's ``Lamb`` (gradient clipping off, ``always_adapt=True``: the same maths) when
-timm imports, and otherwise a multi-tensor LAMB step written here from the paper
-(arXiv:1904.00962, Algorithm 2 with bias correction), labelled as such. Measured in one run.
+Prints ``(TrustRatio + AdamW(foreach)) / AdamW(foreach)`` and ``LAMB / AdamW(foreach)`` on
+real models' parameter shapes, measured in one run, for these LAMBs: pytorch-optimizer's
+``Lamb`` (with ``adam_debias=True``, the bias correction of TrustRatio + AdamW) in its
+multi-tensor and its per-tensor mode; timm's ``Lamb`` (gradient clipping off,
+``always_adapt=True``: the same maths) when timm imports, and otherwise a multi-tensor LAMB
+step written here from the paper (arXiv:1904.00962, Algorithm 2 with bias correction),
+labelled as such.
 
     python benchmarks/trust_ratio.py [--device cuda] [--repeats 15]
 """
@@ -66,6 +69,25 @@ class PaperLamb(torch.optim.Optimizer):
         torch._foreach_add_(params, updates)
 
 
+def pytorch_optimizer_lamb(
+    foreach: bool,
+) -> Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]:
+    from pytorch_optimizer import Lamb
+
+    def make(params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+        return Lamb(
+            params,
+            lr=LR,
+            betas=BETAS,
+            eps=EPS,
+            weight_decay=WEIGHT_DECAY,
+            adam_debias=True,
+            foreach=foreach,
+        )
+
+    return make
+
+
 def lamb_peer() -> tuple[str, Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]]:
     try:
         from timm.optim import Lamb
@@ -117,7 +139,7 @@ def main() -> None:
     device = torch.device(args.device)
     peer_name, make_peer = lamb_peer()
     print(
-        f"TrustRatio + AdamW(foreach) and {peer_name} vs AdamW(foreach) alone on {device}, "
+        f"TrustRatio + AdamW(foreach) and LAMB optimizers vs AdamW(foreach) alone on {device}, "
         f"torch {torch.__version__}, {torch.get_num_threads()} CPU threads"
     )
     for title, file in SETS.items():
@@ -127,11 +149,15 @@ def main() -> None:
         hooked = optimizer_for(shapes, device, adamw)
         TrustRatio().attach(hooked)
         peer = optimizer_for(shapes, device, make_peer)
+        multi_tensor = optimizer_for(shapes, device, pytorch_optimizer_lamb(foreach=True))
+        per_tensor = optimizer_for(shapes, device, pytorch_optimizer_lamb(foreach=False))
         times = time_side_by_side(
             {
                 "AdamW alone": plain.step,
                 "AdamW alone, again (noise)": plain_again.step,
                 "TrustRatio + AdamW": hooked.step,
+                "pytorch-optimizer Lamb (foreach)": multi_tensor.step,
+                "pytorch-optimizer Lamb (per tensor)": per_tensor.step,
                 peer_name: peer.step,
             },
             device,
@@ -139,7 +165,7 @@ def main() -> None:
         )
         count = sum(torch.Size(s).numel() for s in shapes)
         print_ratios(f"{title}: {len(shapes)} tensors, {count:,} values", times, "AdamW alone")
-        del plain, plain_again, hooked, peer
+        del plain, plain_again, hooked, peer, multi_tensor, per_tensor
 
 
 if __name__ == "__main__":

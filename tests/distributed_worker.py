@@ -19,10 +19,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from hook_kinds import KINDS
 from normhooks import (
     AdaptiveGradientClipping,
     GradientLARS,
-    TrustRatio,
     agc_,
     agc_param_groups,
     apply_weight_norm,
@@ -427,19 +427,12 @@ def train_trust_ratio(
     count: Callable[[Callable[[], object]], int] | None = None,
 ) -> dict[str, Any]:
     """STEPS of AdamW + TrustRatio (LAMB); the ratios and, with ``count``, collectives."""
-    optimizer = torch.optim.AdamW(model.parameters(), lr=ADAMW_LR, weight_decay=WEIGHT_DECAY)
-    hook = TrustRatio()
-    hook.attach(optimizer)
-    ratios, collectives = [], []
-    for x, y in batches:
-        optimizer.zero_grad()
-        F.mse_loss(model(shard(x)), shard(y)).backward()
-        if count is None:
-            optimizer.step()
-        else:
-            collectives.append(count(optimizer.step))
-        ratios.append([r.clone() for r in hook.last_ratios])
-    return {"ratios": ratios, "collectives": collectives, "params": full_parameters(model)}
+
+    def adamw(params: Any) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(params, lr=ADAMW_LR, weight_decay=WEIGHT_DECAY)
+
+    trained = train_hook("trust", model, batches, shard, count, make_optimizer=adamw)
+    return {"ratios": trained["values"], **trained}
 
 
 def fsdp_trust_ratio(rank: int, world: int, out: Path) -> dict[str, Any]:
@@ -463,6 +456,61 @@ def fsdp_trust_ratio(rank: int, world: int, out: Path) -> dict[str, Any]:
     return train_trust_ratio(model, batches, lambda t: half(t, rank, world), count)
 
 
+def train_hook(
+    name: str,
+    model: nn.Module,
+    batches: list[tuple[torch.Tensor, torch.Tensor]],
+    shard: Callable[[torch.Tensor], torch.Tensor],
+    count: Callable[[Callable[[], object]], int] | None = None,
+    make_optimizer: Callable[[Any], torch.optim.Optimizer] | None = None,
+) -> dict[str, Any]:
+    """STEPS of momentum SGD (or ``make_optimizer``'s) with the hook of KINDS[name]; its values
+    of every step (where it has any), the collectives each step issued (with ``count``) and
+    the full parameters."""
+    kind = KINDS[name]
+    if make_optimizer is None:
+        optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+    else:
+        optimizer = make_optimizer(model.parameters())
+    hook = kind.make()
+    hook.attach(optimizer)
+    values, collectives = [], []
+    for x, y in batches:
+        optimizer.zero_grad()
+        F.mse_loss(model(shard(x)), shard(y)).backward()
+        if count is None:
+            optimizer.step()
+        else:
+            collectives.append(count(optimizer.step))
+        if kind.values:
+            values.append([v.clone() for v in getattr(hook, kind.values)])
+    return {"values": values, "collectives": collectives, "params": full_parameters(model)}
+
+
+def fsdp_hooks(rank: int, world: int, out: Path) -> dict[str, Any]:
+    """Every hook of KINDS on the MLP, each linear layer sharded by its own fully_shard call."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    _, batches = data()
+
+    def count(step: Callable[[], object]) -> int:
+        # SGD's own multi-tensor ops on DTensors communicate nothing: this is the hook.
+        with CommDebugMode() as comm:
+            step()
+        return int(comm.get_total_counts())
+
+    results = {}
+    for name in KINDS:
+        model = make_mlp()
+        for layer in model:
+            if any(True for _ in layer.parameters()):
+                fully_shard(layer)
+        fully_shard(model)
+        results[name] = train_hook(name, model, batches, lambda t: half(t, rank, world), count)
+    return results
+
+
 def fsdp1(rank: int, world: int, out: Path) -> dict[str, Any]:
     """What the hooks say to FSDP1 (FullyShardedDataParallel), each layer its own unit.
 
@@ -481,13 +529,9 @@ def fsdp1(rank: int, world: int, out: Path) -> dict[str, Any]:
             device_id=torch.device("cpu"),
         )
         mode = "orig" if use_orig_params else "flat"
-        for name, hook in (
-            ("lars", GradientLARS),
-            ("agc", AdaptiveGradientClipping),
-            ("trust", TrustRatio),
-        ):
+        for name, kind in KINDS.items():
             optimizer = torch.optim.SGD(model.parameters(), lr=LR)
-            results[f"{mode}_{name}"] = refused(lambda h=hook, o=optimizer: h().attach(o))
+            results[f"{mode}_{name}"] = refused(lambda k=kind, o=optimizer: k.make().attach(o))
             results[f"{mode}_{name}_hooks"] = len(optimizer._optimizer_step_pre_hooks)
         _, batches = data()
         x, y = batches[0]
@@ -512,6 +556,7 @@ SCENARIOS: dict[str, Callable[[int, int, Path], dict[str, Any]]] = {
     "fsdp_mesh_per_call": fsdp_mesh_per_call,
     "fsdp_agc": fsdp_agc,
     "fsdp_trust_ratio": fsdp_trust_ratio,
+    "fsdp_hooks": fsdp_hooks,
     "fsdp1": fsdp1,
 }
 

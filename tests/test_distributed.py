@@ -303,7 +303,7 @@ def test_agc_under_fsdp2_communicates_only_through_the_base(
 
 @pytest.mark.parametrize(
     ("key", "where"),
-    [("refused_shard1", "parameters[0]"), ("refused_shard1_hook", "param group 0: parameter 0")],
+    [("refused_shard1", "parameters[0]"), ("refused_shard1_hook", "parameter 0 of param group 0")],
     ids=["functional", "hook"],
 )
 def test_agc_refuses_dtensors_sharded_on_another_dim(
@@ -347,6 +347,55 @@ def test_trust_ratio_one_collective_per_step_under_fsdp2(
         assert rank["collectives"] == [1] * worker.STEPS
 
 
+# --- every hook: the contract's FSDP2 part -------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def fsdp_hooks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    return spawn("fsdp_hooks", tmp_path_factory.mktemp("fsdp_hooks"))
+
+
+@pytest.fixture(scope="module")
+def hooks_one_process() -> dict[str, dict[str, Any]]:
+    """worker.make_mlp trained with each hook by one process on the full batches."""
+    _, batches = worker.data()
+    return {
+        name: worker.train_hook(name, worker.make_mlp(), batches, lambda t: t)
+        for name in worker.KINDS
+    }
+
+
+@pytest.mark.parametrize("name", list(worker.KINDS))
+def test_every_hook_under_fsdp2_trains_as_one_process(
+    name: str, fsdp_hooks: list[dict[str, Any]], hooks_one_process: dict[str, dict[str, Any]]
+) -> None:
+    for rank in fsdp_hooks:
+        assert_same_tensors(rank[name]["params"], hooks_one_process[name]["params"])
+
+
+@pytest.mark.parametrize("name", [name for name, kind in worker.KINDS.items() if kind.values])
+def test_every_hooks_values_under_fsdp2_are_one_process_s(
+    name: str, fsdp_hooks: list[dict[str, Any]], hooks_one_process: dict[str, dict[str, Any]]
+) -> None:
+    """The largest over ranks: a value taken over the rows each rank holds (AGC's) is the
+    largest of the full tensor's there."""
+    for step, expected_step in enumerate(hooks_one_process[name]["values"]):
+        for group, expected_group in enumerate(expected_step):
+            per_rank = torch.stack([rank[name]["values"][step][group] for rank in fsdp_hooks])
+            assert_close_relative(per_rank.amax(0), expected_group)
+
+
+@pytest.mark.parametrize("name", list(worker.KINDS))
+def test_every_hook_under_fsdp2_issues_one_collective_per_step_if_it_needs_whole_norms(
+    name: str, fsdp_hooks: list[dict[str, Any]]
+) -> None:
+    """One all-reduce for the whole-tensor norms of all four sharded layers; none for a hook
+    that works on local rows only."""
+    expected = 1 if worker.KINDS[name].hook.whole_norms else 0
+    for rank in fsdp_hooks:
+        assert rank[name]["collectives"] == [expected] * worker.STEPS
+
+
 # --- FSDP1 (FullyShardedDataParallel): refused ------------------------------------------------
 
 
@@ -363,7 +412,7 @@ FSDP1_MESSAGES = {
 
 
 @pytest.mark.parametrize("mode", ["flat", "orig"], ids=["flat", "orig-params"])
-@pytest.mark.parametrize("hook", ["lars", "agc", "trust"])
+@pytest.mark.parametrize("hook", list(worker.KINDS))
 def test_fsdp1_is_refused_at_attach_on_every_rank(
     hook: str, mode: str, fsdp1: list[dict[str, Any]]
 ) -> None:

@@ -18,7 +18,7 @@ import torch
 from torch import Tensor, nn
 
 from normhooks import AdaptiveGradientClipping, GradientLARS, TrustRatio, agc_, lars_
-from normhooks._grad_hook import euclidean_norms
+from normhooks._step_hook import euclidean_norms
 
 TARGET = 1e-5
 HUGE = 10**8
@@ -70,7 +70,7 @@ def test_whole_tensor_norms_of_1e8_elements(
 
 def test_row_norms_of_rows_of_5e7_elements(huge: tuple[Tensor, list[float]]) -> None:
     """AGC's units: rows along dim 0, here two very long ones."""
-    from normhooks._grad_hook import row_norms
+    from normhooks._step_hook import row_norms
 
     tensor, halves = huge
     norms = row_norms(tensor.view(2, -1))

@@ -12,15 +12,14 @@ import socket
 import sys
 import types
 from collections.abc import Callable, Iterator
-from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from normhooks import AdaptiveGradientClipping, GradientLARS, TrustRatio, agc_, lars_
-from normhooks._grad_hook import GradientHook
+from hook_kinds import KINDS
+from normhooks import GradientLARS
 
 pytestmark = [
     pytest.mark.skipif(
@@ -30,11 +29,6 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore:FSDP is switching to use `NO_SHARD`:UserWarning"),
 ]
 
-HOOKS: dict[str, Callable[[], GradientHook[Any]]] = {
-    "lars": GradientLARS,
-    "agc": AdaptiveGradientClipping,
-    "trust": TrustRatio,
-}
 FLAT = re.escape(
     "is a FlatParameter of FSDP1 (FullyShardedDataParallel with use_orig_params=False)"
 )
@@ -67,14 +61,14 @@ MODES = pytest.mark.parametrize(
 
 
 @MODES
-@pytest.mark.parametrize("prefix", list(HOOKS))
+@pytest.mark.parametrize("prefix", list(KINDS))
 @pytest.mark.usefixtures("one_rank")
 def test_fsdp1_parameters_are_refused_at_attach(
     prefix: str, use_orig_params: bool, message: str
 ) -> None:
     optimizer = torch.optim.SGD(fsdp1(use_orig_params).parameters(), lr=0.1)
     with pytest.raises(ValueError, match=rf"parameter 0 of param group 0 {message}.*{FSDP2}"):
-        HOOKS[prefix]().attach(optimizer)
+        KINDS[prefix].make().attach(optimizer)
     assert not optimizer._optimizer_step_pre_hooks
 
 
@@ -99,7 +93,11 @@ def test_fsdp1_parameters_added_after_attach_are_refused_at_the_step(
 
 
 @MODES
-@pytest.mark.parametrize("functional", [lars_, agc_], ids=["lars_", "agc_"])
+@pytest.mark.parametrize(
+    "functional",
+    [kind.functional for kind in KINDS.values() if kind.functional],
+    ids=[f"{name}-functional" for name, kind in KINDS.items() if kind.functional],
+)
 @pytest.mark.usefixtures("one_rank")
 def test_functional_forms_refuse_fsdp1_parameters(
     functional: Callable[..., object], use_orig_params: bool, message: str
@@ -160,7 +158,7 @@ def zero3_parameter(ds_id: int) -> nn.Parameter:
     return param
 
 
-@pytest.mark.parametrize("prefix", list(HOOKS))
+@pytest.mark.parametrize("prefix", list(KINDS))
 def test_deepspeeds_zero_optimizer_is_refused_naming_deepspeed(prefix: str) -> None:
     optimizer = zero_optimizer(torch.optim.SGD([nn.Parameter(torch.randn(6))], lr=0.1))
     with pytest.raises(
@@ -168,7 +166,7 @@ def test_deepspeeds_zero_optimizer_is_refused_naming_deepspeed(prefix: str) -> N
         match=r"optimizer is DeepSpeed's DeepSpeedZeroOptimizer, not a torch.optim.Optimizer: .* "
         r"Use DDP or FSDP2",
     ):
-        HOOKS[prefix]().attach(optimizer)  # type: ignore[arg-type]
+        KINDS[prefix].make().attach(optimizer)  # type: ignore[arg-type]
 
 
 def test_deepspeeds_optimizer_inside_accelerates_wrapper_is_refused_naming_deepspeed() -> None:
@@ -188,14 +186,14 @@ def test_deepspeeds_optimizer_inside_accelerates_wrapper_is_refused_naming_deeps
         GradientState._reset_state()
 
 
-@pytest.mark.parametrize("prefix", list(HOOKS))
+@pytest.mark.parametrize("prefix", list(KINDS))
 @pytest.mark.usefixtures("deepspeed_imported")
 def test_zero3_parameters_are_refused_at_attach(prefix: str) -> None:
     optimizer = torch.optim.SGD([zero3_parameter(0), zero3_parameter(1)], lr=0.1)
     with pytest.raises(
         ValueError, match=r"parameter 0 of param group 0 is partitioned by DeepSpeed ZeRO-3"
     ):
-        HOOKS[prefix]().attach(optimizer)
+        KINDS[prefix].make().attach(optimizer)
 
 
 @pytest.mark.usefixtures("deepspeed_imported")

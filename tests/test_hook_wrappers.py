@@ -1,5 +1,7 @@
 """The hooks on the optimizer objects that frameworks hand over: Lightning's and accelerate's
 wrappers, and optimizers that wrap another one (SAM-style two-pass optimizers, Lookahead).
+What every hook does with them (unwrapping, refusing SAM and optimizers whose step runs no
+hooks) is in test_hook_contract.py; here, the frameworks themselves and the wrappers' steps.
 
 References are written out by hand: LARS on plain SGD (no momentum) is
 ``w <- w - lr * ||w|| / (eps + ||g||) * g`` per tensor where ``||w|| > threshold``, and so is
@@ -157,28 +159,6 @@ def accelerator() -> Iterator[Any]:
     GradientState._reset_state()
 
 
-@pytest.mark.parametrize("technique", ["lars", "trust"])
-def test_attach_unwraps_accelerates_optimizer(technique: str, accelerator: Any) -> None:
-    """What an HF TrainerCallback receives; attaching to it raised an AttributeError."""
-    data = batches()
-    model = make_model()
-    if technique == "lars":
-        hook: GradientLARS | TrustRatio = GradientLARS()
-        expected = rated_sgd_reference(copy.deepcopy(model), data)
-    else:
-        hook = TrustRatio()
-        expected = rated_sgd_reference(copy.deepcopy(model), data, threshold=0.0, eps=0.0)
-    prepared, optimizer = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=LR))
-    assert type(optimizer).__name__ == "AcceleratedOptimizer"
-    hook.attach(optimizer)
-    for batch in data:
-        optimizer.zero_grad()
-        accelerator.backward(loss_of(prepared, batch))
-        optimizer.step()
-    for got, want in zip(model.parameters(), expected, strict=True):
-        torch.testing.assert_close(got, want)
-
-
 def test_a_second_hook_through_accelerates_optimizer_is_refused(accelerator: Any) -> None:
     model = make_model()
     inner = torch.optim.SGD(model.parameters(), lr=LR)
@@ -242,42 +222,6 @@ def test_gradient_hooks_on_lookahead_scale_the_gradients_its_optimizer_steps_wit
 RHO = 0.05
 
 
-def sam_optimizers() -> dict[str, Callable[[nn.Module], torch.optim.Optimizer]]:
-    import pytorch_optimizer as po
-
-    sgd = torch.optim.SGD
-    return {
-        "SAM": lambda m: po.SAM(m.parameters(), sgd, lr=LR),
-        "ASAM": lambda m: po.SAM(m.parameters(), sgd, adaptive=True, lr=LR),
-        "WSAM": lambda m: po.WSAM(m, m.parameters(), sgd, lr=LR),
-        "LookSAM": lambda m: po.LookSAM(m.parameters(), sgd, lr=LR),
-        "FriendlySAM": lambda m: po.FriendlySAM(m.parameters(), sgd, lr=LR),
-        "GSAM": lambda m: po.GSAM(
-            m.parameters(),
-            sgd(m.parameters(), lr=LR),
-            m,
-            po.ProportionScheduler(
-                torch.optim.lr_scheduler.LambdaLR(sgd(m.parameters(), lr=LR), lambda _: 1.0),
-                max_lr=LR,
-                min_lr=LR,
-            ),
-        ),
-    }
-
-
-@pytest.mark.parametrize("kind", ["SAM", "ASAM", "WSAM", "LookSAM", "FriendlySAM", "GSAM"])
-@pytest.mark.parametrize("hook", [GradientLARS, AdaptiveGradientClipping, TrustRatio])
-def test_optimizers_stepping_a_base_optimizer_are_refused(kind: str, hook: type) -> None:
-    """The hook would see the first pass's gradients only; SAM's weights never moved."""
-    optimizer = sam_optimizers()[kind](make_model())
-    with pytest.raises(
-        TypeError, match=r"steps a base_optimizer \(SGD\).*optimizer\.base_optimizer"
-    ):
-        hook().attach(optimizer)
-    assert not optimizer._optimizer_step_pre_hooks
-    assert not optimizer.base_optimizer._optimizer_step_pre_hooks
-
-
 def sam_lars_reference(model: nn.Module, data: list[tuple[Tensor, Tensor]]) -> list[Tensor]:
     """SAM (Foret et al. 2021) with SGD and LARS on its base step, written out in float64:
     perturb by rho * g / (||g|| + 1e-12) with the global gradient norm, take the gradient
@@ -323,29 +267,6 @@ def test_lars_on_sams_base_optimizer_is_sam_with_lars_on_the_second_gradients() 
         torch.testing.assert_close(got, want)
 
 
-class TwoPass(torch.optim.Optimizer):
-    """A SAM-like optimizer without a base_optimizer: it moves the parameters, calls the
-    closure for the gradients there, moves them back and takes an SGD step with those."""
-
-    def __init__(self, params: object, lr: float) -> None:
-        super().__init__(params, {"lr": lr})  # type: ignore[arg-type]
-
-    def step(self, closure: Callable[[], Tensor] | None = None) -> None:  # type: ignore[override]
-        assert closure is not None
-        params = [p for group in self.param_groups for p in group["params"] if p.grad is not None]
-        with torch.no_grad():
-            shifts = [RHO * p.grad for p in params]
-            for param, shift in zip(params, shifts, strict=True):
-                param.add_(shift)
-        with torch.enable_grad():
-            closure()
-        with torch.no_grad():
-            for param, shift in zip(params, shifts, strict=True):
-                param.sub_(shift)
-                if param.grad is not None:
-                    param.sub_(self.param_groups[0]["lr"] * param.grad)
-
-
 def closure_for(model: nn.Module, optimizer: torch.optim.Optimizer) -> Callable[[], Tensor]:
     batch = batches(1)[0]
 
@@ -356,16 +277,6 @@ def closure_for(model: nn.Module, optimizer: torch.optim.Optimizer) -> Callable[
         return loss
 
     return closure
-
-
-@pytest.mark.parametrize("hook", [GradientLARS, AdaptiveGradientClipping, TrustRatio])
-def test_a_closure_called_after_the_parameters_moved_raises(hook: type) -> None:
-    """Its loss came with no gradients there: the step silently did nothing."""
-    model = make_model()
-    optimizer = TwoPass(model.parameters(), lr=LR)
-    hook().attach(optimizer)
-    with pytest.raises(RuntimeError, match="TwoPass changed the parameters and then called"):
-        optimizer.step(closure_for(model, optimizer))
 
 
 def test_bayesian_sam_is_told_why_the_closure_cannot_serve_it() -> None:

@@ -173,3 +173,34 @@ def test_lars_kernel_under_fused_grad_scaler(kernel_calls: dict[str, int]) -> No
     assert kernel_calls["lars_unit_"] > 0
     for a, b in zip(model.parameters(), reference.parameters(), strict=True):
         torch.testing.assert_close(a, b)
+
+
+def test_a_dtype_change_between_steps_regroups_the_kernels_tensors(
+    kernel_calls: dict[str, int],
+) -> None:
+    """One launch takes one dtype: a parameter converted with ``.data`` between steps (as
+    ``module.double()`` does) goes to a launch of its own, not into the float32 one."""
+
+    def train(routed: bool) -> list[torch.Tensor]:
+        generator = torch.Generator().manual_seed(0)
+        params = [nn.Parameter(torch.randn(s, generator=generator)) for s in [(4, 3), (5,), (2, 2)]]
+        optimizer = torch.optim.SGD(params, lr=0.1)
+        GradientLARS().attach(optimizer)
+        for step in range(2):
+            if step == 1:
+                params[0].data = params[0].data.double()
+            for param in params:
+                param.grad = torch.randn(param.shape, generator=generator, dtype=param.dtype)
+            if routed:
+                with _kernels.route_cpu_tensors():
+                    optimizer.step()
+            else:
+                optimizer.step()
+        return [p.detach() for p in params]
+
+    expected = train(routed=False)
+    got = train(routed=True)
+    assert kernel_calls["lars_unit_"] == 3  # one launch pair at the first step, two at the second
+    for a, b in zip(got, expected, strict=True):
+        assert a.dtype == b.dtype
+        torch.testing.assert_close(a, b)

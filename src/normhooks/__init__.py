@@ -1,8 +1,9 @@
-"""normhooks: GradientLARS, adaptive gradient clipping, weight standardization and weight
-normalization for PyTorch."""
+"""normhooks: GradientLARS, adaptive gradient clipping, a trust ratio, gradient centralization,
+weight standardization and weight normalization for PyTorch."""
 
 from normhooks.agc import AdaptiveGradientClipping, agc_, agc_param_groups
 from normhooks.data_dependent_init import data_dependent_init
+from normhooks.gradient_centralization import GradientCentralization, centralize_gradients_
 from normhooks.lars import GradientLARS, lars_, lars_param_groups
 from normhooks.trust_ratio import TrustRatio
 from normhooks.weight_norm import (
@@ -23,6 +24,7 @@ from normhooks.weight_standardization import (
 
 __all__ = [
     "AdaptiveGradientClipping",
+    "GradientCentralization",
     "GradientLARS",
     "ScaledWeightStandardization",
     "TrustRatio",
@@ -32,6 +34,7 @@ __all__ = [
     "agc_param_groups",
     "apply_weight_norm",
     "apply_weight_standardization",
+    "centralize_gradients_",
     "convert_with_weight_normalization",
     "data_dependent_init",
     "lars_",

@@ -7,7 +7,11 @@ what was expected and what was received.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from numbers import Real
+from typing import TypeVar
+
+T = TypeVar("T")
 
 
 def real(name: str, value: object) -> float:
@@ -38,6 +42,15 @@ def boolean(name: str, value: object) -> bool:
     if not isinstance(value, bool):
         raise TypeError(f"{name} must be a bool, got {name}={value!r}")
     return value
+
+
+def optional(check: Callable[[str, object], T]) -> Callable[[str, object], T | None]:
+    """``check``, letting None through."""
+
+    def checked(name: str, value: object) -> T | None:
+        return None if value is None else check(name, value)
+
+    return checked
 
 
 def axis(name: str, value: object, ndim: int, where: str) -> int:

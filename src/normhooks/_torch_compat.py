@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 from torch.nn.utils.weight_norm import WeightNorm as _LegacyWeightNorm
+from torch.utils.hooks import RemovableHandle
 
 # torch.nn.modules.conv's base classes (2.11, 2.13): every Conv*/LazyConv* and every
 # ConvTranspose*/LazyConvTranspose* layer derives from them.
@@ -67,35 +68,10 @@ def weight_norm_interface_backward(
     return grad_v, grad_g
 
 
-def grad_scale(optimizer: torch.optim.Optimizer) -> Tensor | None:
-    """The scale a GradScaler left on a fused optimizer's gradients, or None (2.11, 2.13).
-
-    ``GradScaler.step`` sets ``optimizer.grad_scale`` (and ``found_inf``) for optimizers with
-    ``_step_supports_amp_scaling``, whose step unscales the gradients itself.
-    """
-    scale = getattr(optimizer, "grad_scale", None)
-    return scale if isinstance(scale, Tensor) else None
-
-
-def found_inf(optimizer: torch.optim.Optimizer) -> Tensor | None:
-    """The ``found_inf`` flag GradScaler hands a fused optimizer next to ``grad_scale``."""
-    flag = getattr(optimizer, "found_inf", None)
-    return flag if isinstance(flag, Tensor) else None
-
-
 def dtensor_type() -> Any:
     """torch's DTensor class, or None while nothing has imported it (so nothing is one)."""
     module = sys.modules.get("torch.distributed.tensor")
     return None if module is None else module.DTensor
-
-
-def clear_grad_scale(optimizer: torch.optim.Optimizer) -> None:
-    """Tells a fused optimizer that its gradients are no longer scaled (2.11, 2.13).
-
-    Fused steps divide by ``optimizer.grad_scale`` when it is a tensor and skip the division
-    when it is None; ``GradScaler.step`` deletes the attribute after the step either way.
-    """
-    optimizer.grad_scale = None  # type: ignore[attr-defined]
 
 
 def non_finite_check_and_unscale_(
@@ -166,7 +142,7 @@ def pop_forward_pre_hook(module: nn.Module, hook: object) -> Callable[[], None]:
     return restore
 
 
-_PLAIN = (Tensor, nn.Parameter)
+_PLAIN = frozenset((Tensor, nn.Parameter))
 
 
 def plain_eager(*tensors: Tensor) -> bool:
@@ -177,24 +153,13 @@ def plain_eager(*tensors: Tensor) -> bool:
     all of these get the plain torch formula, which they can follow.
     """
     return (
-        all(type(t) in _PLAIN for t in tensors)
+        _PLAIN.issuperset(map(type, tensors))
         and not torch.compiler.is_compiling()
         and not torch.jit.is_tracing()  # type: ignore[attr-defined,no-untyped-call]
         and not torch.onnx.is_in_onnx_export()
         and not functorch_transform_active()
         and not dispatch_mode_active()
     )
-
-
-def drop_grad_scaler_attributes(optimizer: torch.optim.Optimizer) -> None:
-    """Deletes what ``GradScaler.step`` set on a fused optimizer (2.11, 2.13).
-
-    GradScaler deletes ``grad_scale`` and ``found_inf`` only after a step that returns; after
-    a step that raised, a later one would multiply the leftover scale into its own.
-    """
-    for name in ("grad_scale", "found_inf"):
-        if name in vars(optimizer):
-            delattr(optimizer, name)
 
 
 def forward_pre_hooks(module: nn.Module) -> list[object]:
@@ -214,7 +179,78 @@ def state_dict_hooks(module: nn.Module) -> list[object]:
     return list(module._state_dict_hooks.values())
 
 
-# --- optimizer hooks and the shardings they cannot serve (the gradient hooks' part) -----------
+# --- optimizer step hooks and the shardings they cannot serve (the step hooks' part) ----------
+
+
+class FusedGradScaling:
+    """What ``GradScaler.step`` hands a fused optimizer: the scale its gradients carry and the
+    overflow flag its step reads (GradScaler's private protocol, 2.11, 2.13).
+
+    For optimizers with ``_step_supports_amp_scaling``, ``GradScaler.step`` leaves the gradients
+    scaled and sets ``optimizer.grad_scale`` and ``optimizer.found_inf`` (a float32 tensor that
+    the step reads as 1 for "skip"); the fused step divides by ``grad_scale`` when it is a
+    tensor and not when it is None. GradScaler deletes both attributes after a step that
+    returns.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, scale: Tensor, found_inf: Tensor | None):
+        self._optimizer = optimizer
+        self.scale = scale
+        self.found_inf = found_inf
+
+    def mark_unscaled(self) -> None:
+        """Tells the fused step that the gradients are no longer scaled."""
+        self._optimizer.grad_scale = None  # type: ignore[attr-defined]
+
+    def discard(self) -> None:
+        """Deletes both attributes, as GradScaler does after a step that returns: left behind
+        by a step that raised, they would make the next step divide by the scale twice."""
+        for name in ("grad_scale", "found_inf"):
+            if name in vars(self._optimizer):
+                delattr(self._optimizer, name)
+
+
+def fused_grad_scaling(optimizer: torch.optim.Optimizer) -> FusedGradScaling | None:
+    """The GradScaler state on a fused optimizer's gradients, or None where there is none."""
+    scale = getattr(optimizer, "grad_scale", None)
+    if not isinstance(scale, Tensor):
+        return None
+    flag = getattr(optimizer, "found_inf", None)
+    return FusedGradScaling(optimizer, scale, flag if isinstance(flag, Tensor) else None)
+
+
+def step_runs_hooks(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer.step`` runs the step hooks registered on it (2.11, 2.13).
+
+    ``Optimizer.__init__`` (through ``_patch_step_function``) wraps the class's ``step`` in
+    ``profile_hook_step``, which runs the pre- and post-hooks, and marks the wrapper
+    ``hooked = True``. A subclass that never calls it (timm's ``Lookahead``) keeps its own
+    ``step``, which runs no hook.
+    """
+    return bool(getattr(type(optimizer).step, "hooked", False))
+
+
+class _JoinedHandle(RemovableHandle):
+    """``first``'s handle (its id and dicts), whose ``remove()`` also removes ``second``.
+
+    ``RemovableHandle`` (2.11, 2.13) keeps ``hooks_dict_ref``, ``id`` and ``extra_dict_ref``:
+    copied here, so that ``first``'s own ``remove`` and this one do the same.
+    """
+
+    def __init__(self, first: RemovableHandle, second: RemovableHandle) -> None:
+        self.hooks_dict_ref = first.hooks_dict_ref
+        self.id = first.id
+        self.extra_dict_ref = first.extra_dict_ref
+        self._second = second
+
+    def remove(self) -> None:
+        super().remove()
+        self._second.remove()
+
+
+def joined_handle(first: RemovableHandle, second: RemovableHandle) -> RemovableHandle:
+    """One handle for two hooks: removing it removes both."""
+    return _JoinedHandle(first, second)
 
 
 def step_pre_hooks(optimizer: torch.optim.Optimizer) -> list[tuple[int, object]]:

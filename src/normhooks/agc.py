@@ -6,15 +6,15 @@ Implements the unit-wise clipping of A. Brock, S. De, S. L. Smith and K. Simonya
 row along dim 0 of a tensor with at least two dimensions, the whole tensor otherwise.
 
 The maths are a pure function (:func:`agc_unit_`); :class:`AdaptiveGradientClipping` puts it
-on :class:`~normhooks._grad_hook.GradientHook`, which attaches to any optimizer and handles
+on :class:`~normhooks._step_hook.StepHook`, which attaches to any optimizer and handles
 closures, AMP and sharded parameters.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
@@ -22,54 +22,27 @@ from torch.nn.utils.rnn import pad_sequence
 
 from normhooks import _checks
 from normhooks import _torch_compat as compat
-from normhooks._grad_hook import (
-    GradientHook,
-    apply_to_parameters_,
-    euclidean_norms,
-    inverse_scale,
-    row_norms,
-    unscale_and_check_,
-)
 from normhooks._precision import HALF_DTYPES
+from normhooks._step_hook import (
+    Settings,
+    StepHook,
+    euclidean_norms,
+    row_norms,
+    setting,
+    split_param_groups,
+)
 
 __all__ = ["AdaptiveGradientClipping", "agc_", "agc_param_groups"]
 
 
-@dataclass(frozen=True)
-class AGCSettings:
-    clipping: float
-    eps: float
+@dataclass(frozen=True, eq=False)
+class AGCSettings(Settings):
+    """AdaptiveGradientClipping's settings; a param group overrides one with ``"agc_<name>"``."""
 
-
-def _check_settings(values: Mapping[str, object], prefix: str = "") -> AGCSettings:
-    return AGCSettings(
-        clipping=_checks.positive(prefix + "clipping", values["clipping"]),
-        eps=_checks.positive(prefix + "eps", values["eps"]),
-    )
-
-
-def _check_rows_are_local(params: Iterable[object], where: Callable[[int], str]) -> None:
-    """Refuses a DTensor whose rows are split across ranks: their norms would need a reduce.
-
-    A Shard(0) tensor (FSDP2) holds whole rows, so its unit norms need no collective; 0-/1-D
-    tensors are one unit, whose norm the base reduces.
-    """
-    dtensor = compat.dtensor_type()
-    if dtensor is None:
-        return
-    for index, param in enumerate(params):
-        if not isinstance(param, dtensor) or param.ndim < 2:
-            continue
-        sharded: Any = param
-        for mesh_dim, placement in enumerate(sharded.placements):
-            dim = getattr(placement, "dim", 0)
-            if placement.is_shard() and dim != 0 and sharded.device_mesh.size(mesh_dim) > 1:
-                raise ValueError(
-                    f"{where(index)} is a DTensor sharded on dim {dim} ({placement!r}); AGC's "
-                    "units are the rows along dim 0, whose norms are local only where a tensor "
-                    "is sharded on dim 0 (FSDP2's Shard(0)). Shard it on dim 0 or opt its "
-                    'param group out with "agc": False'
-                )
+    clipping: float = setting(_checks.positive)
+    """The largest ratio ``||G_i|| / max(||W_i||, eps)`` left unclipped."""
+    eps: float = setting(_checks.positive)
+    """The smallest weight norm a unit is compared with."""
 
 
 def _unit_norms(tensors: list[Tensor], whole: Tensor | None, foreach: bool | None) -> Tensor:
@@ -99,39 +72,19 @@ def agc_unit_(
     grads: list[Tensor],
     settings: AGCSettings,
     lr: float | Tensor | None,
-    grad_scale: Tensor | None,
-    found_inf: Tensor | None,
     *,
-    norms: tuple[Tensor, Tensor] | None = None,
-    foreach: bool | None = None,
+    norms: tuple[Tensor, Tensor] | None,
+    foreach: bool | None,
 ) -> Tensor:
     """AGC on one unit (one device, dtype and sharding); returns each parameter's largest
     ratio :math:`\\|G_i\\| / \\max(\\|W_i\\|, \\epsilon)`, in order.
 
-    Scaled gradients (a fused optimizer under GradScaler) are unscaled first; float16/bfloat16
-    ones in float32, rounded once at the end. AGC only shrinks values, so checking the inputs
-    for inf/NaN checks the result. ``norms`` (shards) supply the 0-/1-D tensors' full norms;
-    the rows of a tensor sharded on dim 0 are all local.
+    float16/bfloat16 gradients are clipped in float32, by a float32 factor, and rounded once.
+    ``norms`` (shards) supply the 0-/1-D tensors' full norms; the rows of a tensor sharded on
+    dim 0 are all local.
     """
-    device, half = grads[0].device, grads[0].dtype in HALF_DTYPES
-    inv_scale = None if grad_scale is None else inverse_scale(grad_scale, device)
-    sources = grads
-    if found_inf is not None or inv_scale is not None:
-        flag = (
-            torch.zeros((), device=device, dtype=torch.float32) if found_inf is None else found_inf
-        )
-        one = torch.ones((), device=device, dtype=torch.float32)
-        if half and inv_scale is not None:
-            unscale_and_check_(grads, flag, one, foreach)
-            sources = [g.float().mul_(inv_scale) for g in grads]
-        else:
-            # GradScaler.unscale_'s own op: the numbers a non-fused optimizer would see.
-            unscale_and_check_(grads, flag, one if inv_scale is None else inv_scale, foreach)
-    whole_g = None if norms is None else norms[1]
-    if whole_g is not None and inv_scale is not None:
-        whole_g = whole_g * inv_scale.to(whole_g.dtype)
     w = _unit_norms(params, None if norms is None else norms[0], foreach)
-    g = _unit_norms(sources, whole_g, foreach)
+    g = _unit_norms(grads, None if norms is None else norms[1], foreach)
     bounded = w.clamp(min=settings.eps)
     max_norm = bounded * settings.clipping
     # A branch on the tensor values would be a host sync; where() divides only where
@@ -157,10 +110,7 @@ def agc_unit_(
         for i, factor, ratio in zip(rows, row_factors, row_maxima.unbind(0), strict=True):
             factor_of[i] = factor.view((factor.shape[0],) + (1,) * (params[i].ndim - 1))
             ratio_of[i] = ratio
-    if sources is not grads:
-        for grad, source, factor in zip(grads, sources, factor_of, strict=True):
-            grad.copy_(source.mul_(factor))
-    elif foreach is False or half:
+    if foreach is False or grads[0].dtype in HALF_DTYPES:
         # In place on float16/bfloat16 with a float32 factor: computed in float32, rounded once.
         for grad, factor in zip(grads, factor_of, strict=True):
             grad.mul_(factor)
@@ -226,11 +176,10 @@ def agc_(
         tensor([[0.3000, 0.4000],
                 [0.0000, 0.1000]])
     """
-    settings = _check_settings({"clipping": clipping, "eps": eps})
-    if isinstance(parameters, Iterable) and not isinstance(parameters, Tensor):
-        parameters = list(parameters)
-        _check_rows_are_local(parameters, "parameters[{}]".format)
-    return apply_to_parameters_(parameters, settings, agc_unit_, technique="AGC", foreach=foreach)
+    settings = AGCSettings._checked({"clipping": clipping, "eps": eps})
+    return cast(
+        Tensor, AdaptiveGradientClipping._apply_to_parameters_(parameters, settings, foreach)
+    )
 
 
 def agc_param_groups(
@@ -282,26 +231,11 @@ def agc_param_groups(
             "exclude must be a module name, a callable (name, param) -> bool or None, "
             f"got {type(exclude).__name__}"
         )
-    clipped: list[nn.Parameter] = []
-    skipped: list[nn.Parameter] = []
-    for name, param in model.named_parameters():
-        leave_alone = exclude(name, param) if callable(exclude) else id(param) in left_out
-        if not isinstance(leave_alone, bool):
-            kind = type(leave_alone)
-            raise TypeError(
-                f"exclude must return a bool, got {kind.__module__}.{kind.__qualname__} for "
-                f"parameter {name!r}"
-            )
-        (skipped if leave_alone else clipped).append(param)
-    groups: list[dict[str, Any]] = []
-    if clipped:
-        groups.append({"params": clipped})
-    if skipped:
-        groups.append({"params": skipped, "agc": False})
-    return groups
+    leave_alone = exclude if callable(exclude) else (lambda _, param: id(param) in left_out)
+    return split_param_groups(model, "agc", leave_alone)
 
 
-class AdaptiveGradientClipping(GradientHook[AGCSettings]):
+class AdaptiveGradientClipping(StepHook, AGCSettings):
     r"""Adaptive gradient clipping as a step pre-hook for any PyTorch optimizer.
 
     Before every ``optimizer.step()``, each parameter's gradient is clipped in place unit by
@@ -320,7 +254,7 @@ class AdaptiveGradientClipping(GradientHook[AGCSettings]):
 
     ``step(closure)`` works, and so does :class:`torch.amp.GradScaler` with fused optimizers
     (the result is written unscaled and an inf/NaN gradient still skips the step; see
-    :class:`~normhooks._grad_hook.GradientHook`). FSDP2 (``fully_shard``): the rows of a
+    :class:`~normhooks._step_hook.StepHook`). FSDP2 (``fully_shard``): the rows of a
     parameter sharded on dim 0 are all on one rank, so their norms need no communication;
     0-/1-D parameters take their whole norms from the base's one all-reduce per step.
     DTensors sharded on another dim are refused; :attr:`last_ratios` of a Shard(0) parameter
@@ -350,35 +284,15 @@ class AdaptiveGradientClipping(GradientHook[AGCSettings]):
 
     prefix = "agc"
     technique = "AGC"
+    row_wise = True
+    _unit_ = staticmethod(agc_unit_)
 
     def __init__(
         self, clipping: float = 0.01, eps: float = 1e-3, *, foreach: bool | None = None
     ) -> None:
-        super().__init__(_check_settings({"clipping": clipping, "eps": eps}), foreach=foreach)
-
-    # The technique itself: its settings' checks and its maths on one unit, pure functions.
-    _check_settings = staticmethod(_check_settings)
-    _unit_ = staticmethod(agc_unit_)
-
-    def _check_group(self, group: Mapping[str, Any], settings: AGCSettings) -> str | None:
-        _check_rows_are_local(group["params"], "parameter {}".format)
-        return None
+        super().__init__(clipping=clipping, eps=eps, foreach=foreach)
 
     @property
     def last_ratios(self) -> list[Tensor]:
         """Each parameter's largest ratio of the last step: a 1-D tensor per param group."""
         return self._last_values
-
-    @property
-    def clipping(self) -> float:
-        """The largest ratio ``||G_i|| / max(||W_i||, eps)`` left unclipped."""
-        return self._settings.clipping
-
-    @property
-    def eps(self) -> float:
-        """The smallest weight norm a unit is compared with."""
-        return self._settings.eps
-
-    def __repr__(self) -> str:
-        s = self._settings
-        return f"AdaptiveGradientClipping(clipping={s.clipping}, eps={s.eps})"

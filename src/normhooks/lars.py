@@ -7,7 +7,7 @@ arXiv:1801.03137 (2018), exactly as Chainer's ``optimizer_hooks.GradientLARS`` d
 LARC's clipping mode as an option.
 
 The maths are pure functions (:func:`lars_rates`, :func:`lars_unit_`); :class:`GradientLARS`
-puts them on :class:`~normhooks._grad_hook.GradientHook`, which attaches to any
+puts them on :class:`~normhooks._step_hook.StepHook`, which attaches to any
 :class:`torch.optim.Optimizer` and handles closures, AMP and sharded parameters.
 """
 
@@ -15,44 +15,41 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
 
 from normhooks import _checks, _kernels
 from normhooks import _torch_compat as compat
-from normhooks._grad_hook import (
-    GradientHook,
-    apply_to_parameters_,
+from normhooks._precision import HALF_DTYPES, upcast
+from normhooks._step_hook import (
+    Settings,
+    StepHook,
     euclidean_norms,
     inverse_scale,
+    setting,
+    split_param_groups,
     unscale_and_check_,
 )
-from normhooks._precision import HALF_DTYPES, upcast
 
 __all__ = ["GradientLARS", "lars_", "lars_param_groups"]
 
 
-@dataclass(frozen=True)
-class LARSSettings:
-    threshold: float
-    weight_decay: float
-    eps: float
-    trust_coefficient: float
-    clip: bool
+@dataclass(frozen=True, eq=False)
+class LARSSettings(Settings):
+    """GradientLARS's settings, which a param group can override with ``"lars_<name>"``."""
 
-
-def _check_settings(values: Mapping[str, object], prefix: str = "") -> LARSSettings:
-    return LARSSettings(
-        threshold=_checks.non_negative(prefix + "threshold", values["threshold"]),
-        weight_decay=_checks.non_negative(prefix + "weight_decay", values["weight_decay"]),
-        eps=_checks.non_negative(prefix + "eps", values["eps"]),
-        trust_coefficient=_checks.positive(
-            prefix + "trust_coefficient", values["trust_coefficient"]
-        ),
-        clip=_checks.boolean(prefix + "clip", values["clip"]),
-    )
+    threshold: float = setting(_checks.non_negative)
+    """Parameters whose norm is at most this keep rate 1."""
+    weight_decay: float = setting(_checks.non_negative)
+    """The L2 decay added to each gradient before scaling."""
+    eps: float = setting(_checks.non_negative)
+    """Added to the denominator of the local rate."""
+    trust_coefficient: float = setting(_checks.positive)
+    """Multiplies the local rate."""
+    clip: bool = setting(_checks.boolean)
+    """Whether LARC's clipping mode is on."""
 
 
 def lars_rates(
@@ -112,11 +109,11 @@ def lars_unit_(
     grads: list[Tensor],
     settings: LARSSettings,
     lr: float | Tensor | None,
-    grad_scale: Tensor | None,
-    found_inf: Tensor | None,
     *,
-    norms: tuple[Tensor, Tensor] | None = None,
-    foreach: bool | None = None,
+    norms: tuple[Tensor, Tensor] | None,
+    foreach: bool | None,
+    grad_scale: Tensor | None = None,
+    found_inf: Tensor | None = None,
 ) -> Tensor:
     """LARS on one unit (one device, dtype and sharding); returns the rates, in order.
 
@@ -208,7 +205,7 @@ def lars_(
         tensor([[3., 3.],
                 [3., 3.]])
     """
-    settings = _check_settings(
+    settings = LARSSettings._checked(
         {
             "threshold": threshold,
             "weight_decay": weight_decay,
@@ -217,7 +214,7 @@ def lars_(
             "clip": False,
         }
     )
-    return apply_to_parameters_(parameters, settings, lars_unit_, technique="LARS", foreach=foreach)
+    return cast(Tensor, GradientLARS._apply_to_parameters_(parameters, settings, foreach))
 
 
 def lars_param_groups(
@@ -244,30 +241,12 @@ def lars_param_groups(
         >>> [(len(g["params"]), g.get("lars", True)) for g in groups]
         [(1, True), (3, False)]
     """
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if exclude is not None and not callable(exclude):
         raise TypeError(
             "exclude must be a callable (name, param) -> bool or None, "
             f"got {type(exclude).__name__}"
         )
-    scaled: list[nn.Parameter] = []
-    skipped: list[nn.Parameter] = []
-    for name, param in model.named_parameters():
-        leave_alone = _is_gain_like(param) if exclude is None else exclude(name, param)
-        if not isinstance(leave_alone, bool):
-            kind = type(leave_alone)
-            raise TypeError(
-                f"exclude must return a bool, got {kind.__module__}.{kind.__qualname__} for "
-                f"parameter {name!r}"
-            )
-        (skipped if leave_alone else scaled).append(param)
-    groups: list[dict[str, Any]] = []
-    if scaled:
-        groups.append({"params": scaled})
-    if skipped:
-        groups.append({"params": skipped, "lars": False})
-    return groups
+    return split_param_groups(model, "lars", exclude or (lambda _, param: _is_gain_like(param)))
 
 
 def _is_gain_like(param: Tensor) -> bool:
@@ -279,7 +258,7 @@ def _is_gain_like(param: Tensor) -> bool:
     return sum(size > 1 for size in param.shape) <= 1
 
 
-class GradientLARS(GradientHook[LARSSettings]):
+class GradientLARS(StepHook, LARSSettings):
     r"""Layer-wise adaptive rate scaling as a step pre-hook for any PyTorch optimizer.
 
     Before every ``optimizer.step()``, each parameter's gradient is rewritten in place as in
@@ -310,7 +289,7 @@ class GradientLARS(GradientHook[LARSSettings]):
     float32, writes the unscaled result, sets ``optimizer.grad_scale = None`` so that the
     fused step does not divide again, and raises ``optimizer.found_inf`` where the result is
     not finite, so that the step is skipped as for an overflow (GradScaler's private protocol
-    for fused optimizers; details in :class:`~normhooks._grad_hook.GradientHook`). The result
+    for fused optimizers; details in :class:`~normhooks._step_hook.StepHook`). The result
     is the same as without AMP.
 
     Args:
@@ -338,6 +317,9 @@ class GradientLARS(GradientHook[LARSSettings]):
 
     prefix = "lars"
     technique = "LARS"
+    # The fused kernel reads scaled gradients and writes unscaled ones in one pass.
+    scaled_gradients = True
+    _unit_ = staticmethod(lars_unit_)
 
     def __init__(
         self,
@@ -349,18 +331,14 @@ class GradientLARS(GradientHook[LARSSettings]):
         clip: bool = False,
         foreach: bool | None = None,
     ) -> None:
-        values = {
-            "threshold": threshold,
-            "weight_decay": weight_decay,
-            "eps": eps,
-            "trust_coefficient": trust_coefficient,
-            "clip": clip,
-        }
-        super().__init__(_check_settings(values), foreach=foreach)
-
-    # The technique itself: its settings' checks and its maths on one unit, pure functions.
-    _check_settings = staticmethod(_check_settings)
-    _unit_ = staticmethod(lars_unit_)
+        super().__init__(
+            threshold=threshold,
+            weight_decay=weight_decay,
+            eps=eps,
+            trust_coefficient=trust_coefficient,
+            clip=clip,
+            foreach=foreach,
+        )
 
     def _check_group(self, group: Mapping[str, Any], settings: LARSSettings) -> str | None:
         if settings.clip and not isinstance(group.get("lr"), (float, int, Tensor)):
@@ -382,35 +360,3 @@ class GradientLARS(GradientHook[LARSSettings]):
     def last_rates(self) -> list[Tensor]:
         """The rates of the last step: one 1-D tensor per param group, on device."""
         return self._last_values
-
-    @property
-    def threshold(self) -> float:
-        """Parameters whose norm is at most this keep rate 1."""
-        return self._settings.threshold
-
-    @property
-    def weight_decay(self) -> float:
-        """The L2 decay added to each gradient before scaling."""
-        return self._settings.weight_decay
-
-    @property
-    def eps(self) -> float:
-        """Added to the denominator of the local rate."""
-        return self._settings.eps
-
-    @property
-    def trust_coefficient(self) -> float:
-        """Multiplies the local rate."""
-        return self._settings.trust_coefficient
-
-    @property
-    def clip(self) -> bool:
-        """Whether LARC's clipping mode is on."""
-        return self._settings.clip
-
-    def __repr__(self) -> str:
-        s = self._settings
-        return (
-            f"GradientLARS(threshold={s.threshold}, weight_decay={s.weight_decay}, "
-            f"eps={s.eps}, trust_coefficient={s.trust_coefficient}, clip={s.clip})"
-        )

@@ -7,13 +7,13 @@ transformation: the optimizer takes its step, and the hook rescales each paramet
 by :math:`\|w\| / \|u\|`. With AdamW this is LAMB.
 
 The maths are pure functions (:func:`trust_ratios`, :func:`rescale_updates_`);
-:class:`TrustRatio` puts them on :class:`~normhooks._grad_hook.GradientHook`, which handles
-attaching, closures, param-group settings and sharded parameters.
+:class:`TrustRatio` puts them on :class:`~normhooks._step_hook.StepHook` as a hook on the
+updates, which handles attaching, the copy of the parameters, closures, param-group settings
+and sharded parameters.
 """
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -23,38 +23,26 @@ from torch import Tensor
 
 from normhooks import _checks
 from normhooks import _torch_compat as compat
-from normhooks._grad_hook import (
-    GradientHook,
-    _in_order,
-    _Job,
-    _Unit,
-    _units,
-    euclidean_norms,
-    sum_over_shards,
-)
+from normhooks._step_hook import Settings, StepHook, setting
 
 __all__ = ["TrustRatio", "rescale_updates_", "trust_ratios"]
 
 _EXACT_DTYPES = (torch.float32, torch.float64)
 
 
-@dataclass(frozen=True)
-class TrustRatioSettings:
-    threshold: float
-    eps: float
-    coefficient: float
-    clip: float | None
+@dataclass(frozen=True, eq=False)
+class TrustRatioSettings(Settings):
+    """TrustRatio's settings, which a param group can override with ``"trust_<name>"``."""
 
-
-def _check_settings(values: Mapping[str, object], prefix: str = "") -> TrustRatioSettings:
-    clip = values["clip"]
-    return TrustRatioSettings(
-        threshold=_checks.non_negative(prefix + "threshold", values["threshold"]),
-        eps=_checks.non_negative(prefix + "eps", values["eps"]),
-        # "trust_coefficient" both as the argument and as the group key "trust_" + "coefficient".
-        coefficient=_checks.positive("trust_coefficient", values["coefficient"]),
-        clip=None if clip is None else _checks.positive(prefix + "clip", clip),
-    )
+    threshold: float = setting(_checks.non_negative)
+    """Parameters whose norm is at most this keep ratio 1."""
+    eps: float = setting(_checks.non_negative)
+    """Added to the update's norm in the ratio's denominator."""
+    # The group key is "trust_coefficient" too: a setting that starts with the prefix keeps it.
+    trust_coefficient: float = setting(_checks.positive)
+    """Multiplies the ratio."""
+    clip: float | None = setting(_checks.optional(_checks.positive))
+    """The cap on the ratio, or None."""
 
 
 def trust_ratios(w_norm: Tensor, u_norm: Tensor, settings: TrustRatioSettings) -> Tensor:
@@ -65,14 +53,14 @@ def trust_ratios(w_norm: Tensor, u_norm: Tensor, settings: TrustRatioSettings) -
     with ``torch.where``, never a Python branch on a value: nothing is read back to the host.
 
     Example:
-        >>> settings = TrustRatioSettings(threshold=0.0, eps=0.0, coefficient=1.0, clip=None)
+        >>> settings = TrustRatioSettings(threshold=0.0, eps=0.0, trust_coefficient=1.0, clip=None)
         >>> trust_ratios(torch.tensor([3.0, 0.0, 2.0]), torch.tensor([6.0, 1.0, 0.0]), settings)
         tensor([0.5000, 1.0000, 1.0000])
     """
     denominator = u_norm + settings.eps if settings.eps != 0 else u_norm
     ratio = w_norm / denominator
-    if settings.coefficient != 1:
-        ratio = ratio * settings.coefficient
+    if settings.trust_coefficient != 1:
+        ratio = ratio * settings.trust_coefficient
     if settings.clip is not None:
         ratio = torch.clamp(ratio, max=settings.clip)
     # A zero update stays zero whatever the ratio, and a non-finite one stays non-finite: the
@@ -102,68 +90,25 @@ def rescale_updates_(
         compat.foreach_addcmul_(params, reverts, factors)
 
 
-def _copies(tensors: list[Tensor], foreach: bool | None) -> list[Tensor]:
-    copies = [torch.empty_like(t) for t in tensors]
-    if foreach is False:
-        for copy, tensor in zip(copies, tensors, strict=True):
-            copy.copy_(tensor)
-    else:
-        compat.foreach_copy_(copies, tensors)
-    return copies
+def trust_ratio_unit_(
+    params: list[Tensor],
+    reverts: list[Tensor],
+    settings: TrustRatioSettings,
+    lr: float | Tensor | None,
+    *,
+    norms: tuple[Tensor, Tensor] | None,
+    foreach: bool | None,
+) -> Tensor:
+    """The trust ratio on one unit's update, from ``norms = (||w_old||, ||w_old - w_new||)``."""
+    assert norms is not None  # the base computes them for every hook on the updates
+    w_norm, d_norm = norms
+    step = lr.to(d_norm) if isinstance(lr, Tensor) else lr
+    ratios = trust_ratios(w_norm, d_norm / step, settings)  # type: ignore[operator]
+    rescale_updates_(params, reverts, ratios, foreach)
+    return ratios
 
 
-@dataclass
-class _Pending:
-    """What the pre-step keeps for the post-step: the plan and each unit's old parameters."""
-
-    jobs: list[_Job[TrustRatioSettings] | None]
-    units: list[list[_Unit]]
-    olds: list[list[list[Tensor]]]
-
-
-def _rescale_all_(pending: _Pending, foreach: bool | None) -> list[Tensor]:
-    """The post-step: every unit's update rescaled; the ratios per job, in parameter order.
-
-    First each unit's norms (the old parameters', then the update's, once the old copies
-    hold ``w_old - w_new``), then one all-reduce for all the sharded units, then the updates.
-    """
-    flat = [
-        (position, unit, olds)
-        for position, (units, olds_of) in enumerate(zip(pending.units, pending.olds, strict=True))
-        for unit, olds in zip(units, olds_of, strict=True)
-    ]
-    norms = []
-    for _, unit, olds in flat:
-        w_norm = euclidean_norms(olds, foreach)
-        if foreach is False:
-            for old, param in zip(olds, unit.params, strict=True):
-                old.sub_(param)
-        else:
-            compat.foreach_sub_(olds, unit.params)
-        norms.append((w_norm, euclidean_norms(olds, foreach)))
-    squares = {
-        i: torch.cat(norms[i]).square() for i, (_, unit, _) in enumerate(flat) if unit.reduce
-    }
-    for i, total in sum_over_shards([unit for _, unit, _ in flat], squares).items():
-        w_norm, d_norm = total.sqrt().chunk(2)
-        norms[i] = (w_norm, d_norm)
-    per_job: dict[int, list[tuple[list[int], Tensor]]] = {}
-    for (position, unit, olds), (w_norm, d_norm) in zip(flat, norms, strict=True):
-        job = pending.jobs[position]
-        assert job is not None  # only jobs that take part have units
-        lr = job.lr.to(d_norm) if isinstance(job.lr, Tensor) else job.lr
-        ratios = trust_ratios(w_norm, d_norm / lr, job.settings)  # type: ignore[operator]
-        rescale_updates_(unit.params, olds, ratios, foreach)
-        per_job.setdefault(position, []).append((unit.indices, ratios))
-    return [
-        _in_order(per_job[p], len(job.params))
-        if job is not None and p in per_job
-        else torch.empty(0)
-        for p, job in enumerate(pending.jobs)
-    ]
-
-
-class TrustRatio(GradientHook[TrustRatioSettings]):
+class TrustRatio(StepHook, TrustRatioSettings):
     r"""Rescales the update of any optimizer by a layer-wise trust ratio (LAMB's).
 
     The optimizer takes its own step; then, for each parameter, with
@@ -218,9 +163,11 @@ class TrustRatio(GradientHook[TrustRatioSettings]):
     With ``torch.optim.SGD(momentum)`` it is optax's ``chain(trace(momentum),
     scale_by_trust_ratio(), scale(-lr))``.
 
-    Cost: one copy of the parameters taking part, held while the step runs and released
-    after it; the copy, the norms and the rescaling are multi-tensor ops (``foreach``), and
-    nothing is read back to the host. The optimizer's ``state_dict`` is untouched.
+    Cost: one copy of the parameters taking part, one flat buffer per device and dtype: kept
+    between steps on the CPU (where freeing and allocating it again would fault every page
+    in at each step), given back to the caching allocator after each step elsewhere; the
+    copy, the norms and the rescaling are multi-tensor ops (``foreach``), and nothing is read
+    back to the host. The optimizer's ``state_dict`` is untouched.
 
     Precision: the update is read as a difference of parameters after the optimizer has
     rounded :math:`w_{new}`, whose rounding error (half a unit in the last place) the ratio
@@ -235,7 +182,7 @@ class TrustRatio(GradientHook[TrustRatioSettings]):
     Param groups can opt out (``"trust": False``) or override a setting for themselves with
     ``"trust_threshold"``, ``"trust_eps"``, ``"trust_coefficient"`` or ``"trust_clip"``. The
     ratios of the last step are in :attr:`last_ratios`. Closures work (the hook evaluates
-    the closure, as every :class:`~normhooks._grad_hook.GradientHook` does); under
+    the closure, as every :class:`~normhooks._step_hook.StepHook` does); under
     :class:`torch.amp.GradScaler` a skipped step stays skipped: a non-fused optimizer's step
     does not run at all, a fused one leaves the parameters unchanged and the ratio is 1.
     DTensor parameters (FSDP2, HSDP) get the norms of their full tensors, one all-reduce per
@@ -268,6 +215,8 @@ class TrustRatio(GradientHook[TrustRatioSettings]):
 
     prefix = "trust"
     technique = "TrustRatio"
+    rewrites = "updates"
+    _unit_ = staticmethod(trust_ratio_unit_)
 
     def __init__(
         self,
@@ -278,18 +227,13 @@ class TrustRatio(GradientHook[TrustRatioSettings]):
         clip: float | None = None,
         foreach: bool | None = None,
     ) -> None:
-        values = {
-            "threshold": threshold,
-            "eps": eps,
-            "coefficient": trust_coefficient,
-            "clip": clip,
-        }
-        super().__init__(_check_settings(values), foreach=foreach)
-        self._pending: weakref.WeakKeyDictionary[torch.optim.Optimizer, _Pending] = (
-            weakref.WeakKeyDictionary()
+        super().__init__(
+            threshold=threshold,
+            eps=eps,
+            trust_coefficient=trust_coefficient,
+            clip=clip,
+            foreach=foreach,
         )
-
-    _check_settings = staticmethod(_check_settings)
 
     def _check_group(self, group: Mapping[str, Any], settings: TrustRatioSettings) -> str | None:
         lr = group.get("lr")
@@ -300,69 +244,21 @@ class TrustRatio(GradientHook[TrustRatioSettings]):
                 "TrustRatio divides the update by the group's learning rate, which must be a "
                 f'non-negative finite number or a tensor, but the group has "lr"={lr!r}'
             )
-        for position, param in enumerate(group["params"]):
-            if isinstance(param, Tensor) and param.dtype not in _EXACT_DTYPES:
-                raise TypeError(
-                    f"parameter {position} is {param.dtype}; TrustRatio needs float32 or "
-                    "float64 parameters: the optimizer rounds its update to the parameter's "
-                    "dtype before the hook reads it, and in half precision that loses most of "
-                    "a small update. Keep float32 parameters and use torch.autocast, or opt "
-                    'the group out with "trust": False'
-                )
         return None
 
-    def _before_step_(
-        self,
-        optimizer: torch.optim.Optimizer,
-        jobs: list[_Job[TrustRatioSettings] | None],
-        skipped: list[Tensor],
-    ) -> None:
-        # Every parameter is grouped and checked before anything is copied.
-        units = [
-            _units(job.params, job.where, self.technique) if job is not None and job.params else []
-            for job in jobs
-        ]
-        olds = [[_copies(unit.params, self._foreach) for unit in of_job] for of_job in units]
-        self._pending[optimizer] = _Pending(jobs, units, olds)
-
-    def _after_step(
-        self, optimizer: torch.optim.Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> None:
-        pending = self._pending.pop(optimizer, None)
-        if pending is None:
-            return
-        with torch.no_grad():
-            self._last_values = _rescale_all_(pending, self._foreach)
+    @classmethod
+    def _check_param(cls, param: Tensor, where: str) -> None:
+        if param.dtype not in _EXACT_DTYPES:
+            raise TypeError(
+                f"{where} is {param.dtype}; TrustRatio needs float32 or float64 parameters: "
+                "the optimizer rounds its update to the parameter's dtype before the hook "
+                "reads it, and in half precision that loses most of a small update. Keep "
+                'float32 parameters and use torch.autocast, or opt the group out with "trust": '
+                "False"
+            )
 
     @property
     def last_ratios(self) -> list[Tensor]:
         """The ratios of the last step: one 1-D tensor per param group (empty where the
         group opts out or has no gradient), on the parameters' device."""
         return self._last_values
-
-    @property
-    def threshold(self) -> float:
-        """Parameters whose norm is at most this keep ratio 1."""
-        return self._settings.threshold
-
-    @property
-    def eps(self) -> float:
-        """Added to the update's norm in the ratio's denominator."""
-        return self._settings.eps
-
-    @property
-    def trust_coefficient(self) -> float:
-        """Multiplies the ratio."""
-        return self._settings.coefficient
-
-    @property
-    def clip(self) -> float | None:
-        """The cap on the ratio, or None."""
-        return self._settings.clip
-
-    def __repr__(self) -> str:
-        s = self._settings
-        return (
-            f"TrustRatio(threshold={s.threshold}, eps={s.eps}, "
-            f"trust_coefficient={s.coefficient}, clip={s.clip})"
-        )
