@@ -200,7 +200,7 @@ class WeightNorm(nn.Module):
             return _weight_norm(g, v, dim, self.eps)
         if dim is not None and _kernels.available(v) and _kernels.available(g):
             # CUDA with Triton: one fused kernel forward and one backward, exact.
-            return _kernels.fused_weight_norm(g, v, dim, self.eps)
+            return _kernels.fused_weight_norm(g, v, dim, self.eps, plain=_weight_norm)
         if not _eager_cpu(g, v):
             # On an accelerator without Triton, autograd's own graph of the formula launches
             # about as many kernels as the closed-form backward and runs no Python in backward.
