@@ -794,7 +794,11 @@ def test_a_failing_step_undoes_the_steps_before_it() -> None:
     # What validation cannot foresee (an error inside torch): every earlier step is undone.
     model = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 3))
     first = model[0].weight
-    steps = [normalization._plan(model[0], "weight", 0, 1e-12, strict_dim=True)]
+    steps = [
+        normalization._parametrize._plan(
+            normalization._Normalization(0, 1e-12), model[0], "weight", strict=True
+        )
+    ]
 
     def failing() -> Callable[[], None]:
         raise RuntimeError("inside torch")
@@ -958,7 +962,9 @@ def test_takeover_undone_when_a_later_step_fails(
     expected = layer(x).detach()
     g, v = g_and_v(layer)
     keys = list(layer.state_dict())
-    step = normalization._plan(layer, "weight", 0, 1e-12, strict_dim=True)
+    step = normalization._parametrize._plan(
+        normalization._Normalization(0, 1e-12), layer, "weight", strict=True
+    )
 
     def failing() -> Callable[[], None]:
         raise RuntimeError("inside torch")
