@@ -63,7 +63,6 @@ class _SpectralNormalization(_parametrize.Technique[int]):
     tree_function = "apply_spectral_norm"
     parametrization = SpectralNorm
     layers = (nn.Linear, ConvNd)
-    layers_text = "Linear, Conv* or ConvTranspose*"
 
     def layout(self, module: nn.Module, name: str, ndim: int) -> int:
         return _parametrize.output_axis(module)

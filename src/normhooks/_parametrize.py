@@ -684,7 +684,6 @@ class Technique(ABC, Generic[L]):
     tree_function: ClassVar[str]  # the public function that converts a model
     parametrization: ClassVar[type[nn.Module]]  # the class its registrations are instances of
     layers: ClassVar[tuple[type[nn.Module], ...]]  # what a tree conversion converts by default
-    layers_text: ClassVar[str]  # those, for messages
     # The original whose Parameter object a baked weight keeps: "original" for a
     # parametrization of the weight alone; for one of several tensors, the one shaped like it.
     baked_into: ClassVar[str] = "original"
@@ -932,7 +931,7 @@ def convert_tree(
             else:
                 targets.append((_joined(prefix, name), layer, name))
     if not targets:
-        names = technique.layers_text if types is None else ", ".join(t.__name__ for t in chosen)
+        names = _layer_kinds(chosen)
         reason = (
             f"all {matched} matching layers are already {technique.done}"
             + (f" ({len(own)} by their own forward, as timm's StdConv2d)" if own else "")
@@ -954,6 +953,14 @@ def convert_tree(
             "layer types are not in layer_types; add them to take it over",
             stacklevel=3,
         )
+
+
+def _layer_kinds(types: tuple[type[nn.Module], ...]) -> str:
+    """Layer classes as messages name them: ``Linear, Conv* or ConvTranspose*``."""
+    names = [
+        n for t in types for n in (("Conv*", "ConvTranspose*") if t is ConvNd else (t.__name__,))
+    ]
+    return " or ".join([", ".join(names[:-1]), names[-1]]) if len(names) > 1 else names[0]
 
 
 def _repeated(technique: Technique[Any], layer: nn.Module) -> bool:

@@ -45,9 +45,9 @@ def _innermost(module: nn.Module, name: str, kind: type[nn.Module]) -> nn.Module
 # --- checkpoints of the legacy torch.nn.utils.weight_norm ------------------------------------
 
 
-class _LoadLegacyKeys:
-    """Load-state-dict pre-hook: reads ``<name>_g``/``<name>_v`` checkpoints of the legacy
-    ``torch.nn.utils.weight_norm`` into ``parametrizations.<name>.original0``/``original1``."""
+class _LegacyKeys:
+    """A state-dict hook of ``module.<name>`` that renames the keys of g and v while a weight
+    norm of ``kind`` computes it, and does nothing otherwise."""
 
     def __init__(self, name: str, kind: type[nn.Module]) -> None:
         self.name = name
@@ -56,8 +56,23 @@ class _LoadLegacyKeys:
     def __call__(
         self, module: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any
     ) -> None:
-        if _innermost(module, self.name, self.kind) is None:
-            return
+        wn = _innermost(module, self.name, self.kind)
+        if wn is not None:
+            self.rename(module, wn, state_dict, prefix)
+
+    def rename(
+        self, module: nn.Module, wn: nn.Module, state_dict: dict[str, Any], prefix: str
+    ) -> None:
+        raise NotImplementedError
+
+
+class _LoadLegacyKeys(_LegacyKeys):
+    """Load-state-dict pre-hook: reads ``<name>_g``/``<name>_v`` checkpoints of the legacy
+    ``torch.nn.utils.weight_norm`` into ``parametrizations.<name>.original0``/``original1``."""
+
+    def rename(
+        self, module: nn.Module, wn: nn.Module, state_dict: dict[str, Any], prefix: str
+    ) -> None:
         for suffix, which in _LEGACY_SUFFIXES:
             legacy = f"{prefix}{self.name}{suffix}"
             current = f"{prefix}parametrizations.{self.name}.{which}"
@@ -68,18 +83,13 @@ class _LoadLegacyKeys:
                 state_dict[current] = state_dict.pop(legacy)
 
 
-class _SaveLegacyKeys:
+class _SaveLegacyKeys(_LegacyKeys):
     """State-dict post-hook: saves a taken-over legacy weight norm under its own keys."""
 
-    def __init__(self, name: str, kind: type[nn.Module]) -> None:
-        self.name = name
-        self.kind = kind
-
-    def __call__(
-        self, module: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any
+    def rename(
+        self, module: nn.Module, wn: nn.Module, state_dict: dict[str, Any], prefix: str
     ) -> None:
-        wn = _innermost(module, self.name, self.kind)
-        if wn is None or not getattr(wn, "legacy_keys", False):
+        if not getattr(wn, "legacy_keys", False):
             return
         for suffix, which in _LEGACY_SUFFIXES:
             key = f"{prefix}parametrizations.{self.name}.{which}"

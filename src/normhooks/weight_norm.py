@@ -286,7 +286,6 @@ class _Normalization(_parametrize.Technique[int | None]):
     tree_function = "apply_weight_norm"
     parametrization = WeightNorm
     layers = (nn.Linear, ConvNd)
-    layers_text = "Linear, Conv* or ConvTranspose*"
     baked_into = "original1"
     takes_over_torch_weight_norm = True
 

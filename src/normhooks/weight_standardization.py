@@ -294,7 +294,6 @@ class _Standardization(_parametrize.Technique[tuple[int, int]]):
     tree_function = "apply_weight_standardization"
     parametrization = WeightStandardization
     layers = (ConvNd,)
-    layers_text = "Conv* or ConvTranspose*"
 
     @property
     def label(self) -> str:
