@@ -373,6 +373,9 @@ def _technique(eps: object, dim: object, scaled: object, gamma: object) -> _Stan
     return _Standardization(eps, dim, scaled, gamma)
 
 
+# --- public functions -----------------------------------------------------------------------
+
+
 def weight_standardization(
     module: nn.Module,
     name: str = "weight",
