@@ -69,6 +69,7 @@ from normhooks import (
     apply_weight_standardization,
 )
 from normhooks import weight_norm as normhooks_weight_norm
+from normhooks.weight_norm import _weight_norm as plain_weight_norm
 
 SHAPES = Path(__file__).resolve().parent / "shapes"
 SHAPE_SETS = {
@@ -341,7 +342,10 @@ def kernels_alone(run: Run) -> None:
         torch.autograd.backward(outs, upstream)
 
     def kernel_wn() -> None:
-        outs = [_kernels.fused_weight_norm(g, v, 0, WN_EPS) for g, v in zip(gs, vs, strict=True)]
+        outs = [
+            _kernels.fused_weight_norm(g, v, 0, WN_EPS, plain=plain_weight_norm)
+            for g, v in zip(gs, vs, strict=True)
+        ]
         torch.autograd.backward(outs, upstream)
 
     run.measure(

@@ -1,7 +1,9 @@
 """The contract every normhooks parametrization keeps, run over each of them.
 
 Like optax's shared optimizer tests: one suite, every technique. Each kind converts a model,
-bakes it back, and names its parametrization class; the tests below hold for all of them.
+bakes it back, names its parametrization class and declares whether it keeps state; the
+tests below hold for all of them. A spectral normalization built on the private lifecycle in
+the tests (tests/spectral_norm.py) is the kind with state.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from normhooks import (
     remove_weight_norm,
     remove_weight_standardization,
 )
+from spectral_norm import SpectralNorm, apply_spectral_norm, remove_spectral_norm
 
 
 @dataclass(frozen=True)
@@ -36,6 +39,11 @@ class Kind:
     apply: Callable[..., nn.Module]  # (model, *, layer_types=None) -> model
     bake: Callable[[nn.Module], nn.Module]
     parametrization: type[nn.Module]
+    # A training forward advances state that the parametrization keeps in buffers (a power
+    # iteration's u), so two training forwards compute different weights: outputs are
+    # compared in eval mode, and torch.func, which cannot run a forward that writes into a
+    # module's buffers, runs the model in eval mode only.
+    stateful: bool = False
 
 
 KINDS = {
@@ -46,7 +54,9 @@ KINDS = {
         ScaledWeightStandardization,
     ),
     "wn": Kind(apply_weight_norm, remove_weight_norm, WeightNorm),
+    "spectral": Kind(apply_spectral_norm, remove_spectral_norm, SpectralNorm, stateful=True),
 }
+STATEFUL = [name for name, kind in KINDS.items() if kind.stateful]
 
 
 @pytest.fixture(params=list(KINDS), ids=list(KINDS))
@@ -66,6 +76,19 @@ def parametrized_layers(model: nn.Module) -> list[nn.Module]:
 
 def x_for(dtype: torch.dtype = torch.float32) -> torch.Tensor:
     return torch.randn(4, 3, 8, 8, dtype=dtype)
+
+
+def comparable(kind: Kind, model: nn.Module) -> nn.Module:
+    """``model`` in the mode in which its forwards compute the same weights from the same
+    Parameters: eval for a kind with state, whose training forwards advance it."""
+    return model.eval() if kind.stateful else model
+
+
+def dry_run(kind: Kind, model: nn.Module, x: torch.Tensor) -> None:
+    """One forward that materializes and converts lazy layers, and leaves any state as it is."""
+    training = model.training
+    comparable(kind, model)(x)
+    model.train(training)
 
 
 @contextmanager
@@ -104,7 +127,7 @@ def test_state_dict_round_trip_through_torch_save(kind: Kind) -> None:
 
 
 def test_deepcopy_is_independent(kind: Kind) -> None:
-    model = converted(kind)
+    model = comparable(kind, converted(kind))
     clone = copy.deepcopy(model)
     x = x_for()
     torch.testing.assert_close(clone(x), model(x), rtol=0, atol=0)
@@ -119,7 +142,7 @@ def test_deepcopy_is_independent(kind: Kind) -> None:
 @pytest.mark.parametrize("baked", ["copy", "original"])
 def test_baking_one_of_two_deep_copies_leaves_the_other_converted(kind: Kind, baked: str) -> None:
     """torch's removal deletes a property of the class, which deep copies share."""
-    model = converted(kind)
+    model = comparable(kind, converted(kind))
     clone = copy.deepcopy(model)
     x = x_for()
     expected = model(x).detach()
@@ -131,12 +154,12 @@ def test_baking_one_of_two_deep_copies_leaves_the_other_converted(kind: Kind, ba
 
 
 def test_baked_model_loads_into_the_plain_model(kind: Kind) -> None:
-    model = converted(kind)
+    model = comparable(kind, converted(kind))
     x = x_for()
     expected = model(x).detach()
     kind.bake(model)
     assert not parametrized_layers(model)
-    plain = small_cnn()
+    plain = comparable(kind, small_cnn())
     plain(torch.randn(1, 3, 8, 8))
     plain.load_state_dict(model.state_dict())
     torch.testing.assert_close(plain(x), expected, rtol=1e-5, atol=1e-6)
@@ -200,7 +223,7 @@ def test_an_optimizer_built_before_the_first_forward_trains_like_one_built_after
     train(early, early_optimizer)
     late = kind.apply(lazy_cnn())
     torch.manual_seed(1)
-    late(x)  # the dry run: the optimizer sees the converted layers
+    dry_run(kind, late, x)  # the optimizer sees the converted layers
     train(late, make_optimizer(late.parameters()))
     trained, expected = dict(early.named_parameters()), dict(late.named_parameters())
     assert list(trained) == list(expected)
@@ -332,8 +355,17 @@ def test_gradcheck_in_eval_mode(kind: Kind) -> None:
 # --- torch.func -----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("mode", ["train", "eval"])
-def test_torch_func_per_sample_gradients(kind: Kind, mode: str) -> None:
+FUNC_CASES = [
+    pytest.param(name, mode, id=f"{name}-{mode}")
+    for name, kind in KINDS.items()
+    for mode in ("train", "eval")
+    if mode == "eval" or not kind.stateful
+]
+
+
+@pytest.mark.parametrize(("name", "mode"), FUNC_CASES)
+def test_torch_func_per_sample_gradients(name: str, mode: str) -> None:
+    kind = KINDS[name]
     model = converted(kind, torch.float64).train(mode == "train")
     params = {k: v.detach() for k, v in model.named_parameters()}
     x, y = x_for(torch.float64), torch.randn(4, 2, dtype=torch.float64)
@@ -461,3 +493,63 @@ def test_wrapped_in_fsdp1_is_refused_with_the_order_to_follow(
         kind.apply(module, layer_types=nn.Conv2d)
     assert_unchanged(wrapped, params)
     torch.testing.assert_close(wrapped(x), expected, rtol=0, atol=0)
+
+
+# --- kinds with state -----------------------------------------------------------------------
+
+
+def state_of(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {name: buffer.clone() for name, buffer in model.named_buffers()}
+
+
+@pytest.mark.parametrize("name", STATEFUL)
+def test_a_training_forward_advances_the_state_and_an_eval_forward_leaves_it(name: str) -> None:
+    model = converted(KINDS[name])
+    before = state_of(model)
+    assert before  # the state is in buffers, where state dicts and copies find it
+    with torch.no_grad():
+        model.eval()(x_for())
+    for key, value in state_of(model).items():
+        torch.testing.assert_close(value, before[key], rtol=0, atol=0)
+    model.train()(x_for())
+    assert any(not torch.equal(value, before[k]) for k, value in state_of(model).items())
+
+
+@pytest.mark.parametrize("name", STATEFUL)
+def test_the_state_travels_with_the_state_dict(name: str) -> None:
+    kind = KINDS[name]
+    model = converted(kind)
+    for _ in range(3):
+        model(x_for())
+    fresh = converted(kind).eval()
+    x = x_for()
+    with torch.no_grad():
+        expected = model.eval()(x)
+        assert not torch.equal(fresh(x), expected)  # the state changes the weights
+        fresh.load_state_dict(model.state_dict())
+        torch.testing.assert_close(fresh(x), expected, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("name", STATEFUL)
+def test_torch_func_refuses_a_training_forward_that_advances_the_state(name: str) -> None:
+    model = converted(KINDS[name], torch.float64).train()
+    params = {k: v.detach() for k, v in model.named_parameters()}
+
+    def loss(p: dict[str, torch.Tensor]) -> torch.Tensor:
+        return torch.func.functional_call(model, p, (x_for(torch.float64),)).sum()
+
+    with pytest.raises(RuntimeError, match="in-place operation"):
+        torch.func.grad(loss)(params)
+
+
+def test_the_spectral_norm_divides_by_the_largest_singular_value() -> None:
+    """The stateful kind's technique is what it claims: after enough training forwards, each
+    weight has spectral norm 1 (torch.linalg's singular values as the reference)."""
+    model = apply_spectral_norm(nn.Sequential(nn.Conv2d(3, 4, 3), nn.Flatten(), nn.Linear(36, 2)))
+    model = model.double()
+    x = torch.randn(2, 3, 5, 5, dtype=torch.float64)
+    for _ in range(200):
+        model(x)
+    for layer in (model[0], model[2]):
+        largest = torch.linalg.svdvals(layer.weight.detach().flatten(1))[0]
+        torch.testing.assert_close(largest, torch.tensor(1.0, dtype=torch.float64))

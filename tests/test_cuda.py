@@ -213,11 +213,11 @@ if importlib.util.find_spec("triton") is not None:
         wn_reference,
         ws_reference,
     )
+    from kernel_cases import weight_norm as fused_weight_norm
     from normhooks._kernels import lars as lars_kernels
     from normhooks._kernels import weight_norm as wn_kernels
     from normhooks._kernels import weight_standardization as ws_kernels
     from normhooks._kernels.lars import lars_unit_
-    from normhooks._kernels.weight_norm import weight_norm as fused_weight_norm
     from normhooks._kernels.weight_standardization import standardize_rows
 
     @needs_cuda

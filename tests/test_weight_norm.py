@@ -367,6 +367,18 @@ def test_remove_everything_in_a_tree() -> None:
     model[1](torch.randn(2, 1, 4))
 
 
+def test_removing_weight_norm_from_layers_that_share_one_v_is_refused() -> None:
+    """Folding writes each weight into its v: the second layer would fold the first's."""
+    model = apply_weight_norm(nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 3)))
+    model[1].parametrizations.weight.original1 = model[0].parametrizations.weight.original1
+    x = torch.randn(2, 3)
+    expected = model(x).detach()
+    with pytest.raises(ValueError, match=r"0\.weight and 1\.weight .* the same raw Parameter"):
+        remove_weight_norm(model)
+    assert wn_names(model) == ["0.weight", "1.weight"]
+    torch.testing.assert_close(model(x), expected, rtol=0, atol=0)
+
+
 def test_remove_one_name() -> None:
     lstm = convert_with_weight_normalization(nn.LSTM, 3, 2)
     remove_weight_norm(lstm, "weight_hh_l0")
@@ -794,7 +806,11 @@ def test_a_failing_step_undoes_the_steps_before_it() -> None:
     # What validation cannot foresee (an error inside torch): every earlier step is undone.
     model = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 3))
     first = model[0].weight
-    steps = [normalization._plan(model[0], "weight", 0, 1e-12, strict_dim=True)]
+    steps = [
+        normalization._parametrize._plan(
+            normalization._Normalization(0, 1e-12), model[0], "weight", strict=True
+        )
+    ]
 
     def failing() -> Callable[[], None]:
         raise RuntimeError("inside torch")
@@ -958,7 +974,9 @@ def test_takeover_undone_when_a_later_step_fails(
     expected = layer(x).detach()
     g, v = g_and_v(layer)
     keys = list(layer.state_dict())
-    step = normalization._plan(layer, "weight", 0, 1e-12, strict_dim=True)
+    step = normalization._parametrize._plan(
+        normalization._Normalization(0, 1e-12), layer, "weight", strict=True
+    )
 
     def failing() -> Callable[[], None]:
         raise RuntimeError("inside torch")

@@ -650,6 +650,22 @@ def test_complex_weight_refused() -> None:
         weight_standardization(layer)
 
 
+def test_a_complex_lazy_weight_is_refused_at_entry() -> None:
+    layer = nn.LazyLinear(2, dtype=torch.complex64)
+    match = r"LazyLinear\.weight must be a real floating-point tensor.*complex dtype"
+    with pytest.raises(TypeError, match=match):
+        weight_standardization(layer)
+    layer(torch.randn(2, 3, dtype=torch.complex64))
+    assert type(layer) is nn.Linear  # nothing pending: a plain Linear, as before the call
+
+
+def test_dim_of_the_wrong_type_is_refused_at_entry_on_a_lazy_layer_of_unknown_rank() -> None:
+    """The rank of a LazyBatchNorm1d's weight is only known at its first forward; the type of
+    dim is known now."""
+    with pytest.raises(TypeError, match=r"dim must be an int, got dim='0'"):
+        weight_standardization(nn.LazyBatchNorm1d(), dim="0")  # type: ignore[arg-type]
+
+
 def test_apply_undoes_earlier_layers_when_a_registration_fails() -> None:
     """What validation cannot foresee (here a parametrization raising) still rolls back."""
     model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.Conv2d(4, 4, 3), nn.Conv2d(4, 2, 3))
@@ -810,6 +826,14 @@ def test_apply_refuses_torch_legacy_weight_norm_instead_of_skipping_it() -> None
     with pytest.raises(ValueError, match="carries torch's legacy weight norm"):
         apply_weight_standardization(model)
     assert not parametrize.is_parametrized(model[0])
+
+
+@pytest.mark.filterwarnings("ignore:`torch.nn.utils.weight_norm` is deprecated:FutureWarning")
+def test_a_layer_with_torchs_legacy_weight_norm_is_refused_with_the_same_message() -> None:
+    layer = torch.nn.utils.weight_norm(nn.Conv2d(3, 4, 3))
+    with pytest.raises(ValueError, match=r"Conv2d\.weight carries torch's legacy weight norm"):
+        weight_standardization(layer)
+    assert not parametrize.is_parametrized(layer)
 
 
 def test_a_lazy_bias_is_refused_at_entry() -> None:

@@ -348,6 +348,27 @@ def is_deepspeed(obj: object) -> bool:
 # --- wrapped models, lazy modules and torch's legacy weight norm (the parametrizations) -------
 
 
+def ddp_type() -> Any:
+    """``DistributedDataParallel``, or None while nothing has imported it (so nothing is one)."""
+    module = sys.modules.get("torch.nn.parallel.distributed")
+    return None if module is None else module.DistributedDataParallel
+
+
+def fsdp2_module_type() -> Any:
+    """FSDP2's ``FSDPModule`` (what ``fully_shard`` makes a module), or None while nothing has
+    imported ``torch.distributed.fsdp``."""
+    module = sys.modules.get("torch.distributed.fsdp")
+    return None if module is None else module.FSDPModule
+
+
+def own_parameters(module: nn.Module) -> dict[str, nn.Parameter | None]:
+    """``module``'s own registered parameters by name, None entries included (a layer built
+    with ``bias=False`` registers ``bias`` as None), as a copy to read
+    (``Module._parameters``: 2.11, 2.13). Add and delete them with ``register_parameter``
+    and ``delattr``."""
+    return dict(module._parameters)
+
+
 def fsdp1_type() -> Any:
     """FSDP1's ``FullyShardedDataParallel`` class, or None while nothing has imported it."""
     module = sys.modules.get("torch.distributed.fsdp.fully_sharded_data_parallel")

@@ -9,7 +9,6 @@ TODO.
 
 from __future__ import annotations
 
-import sys
 import warnings
 from collections.abc import Iterator, Mapping
 from typing import Any, TypeVar
@@ -354,7 +353,7 @@ def data_dependent_init(model: M, batch: Any, *, scale: float = 1.0) -> M:
 def _init_params(layer: nn.Module) -> list[Tensor]:
     """The tensors data_dependent_init sets: g, then the bias if the layer has one."""
     params: list[Tensor] = [_parametrize.original(layer, "weight", "original0")]
-    bias = layer._parameters.get("bias")
+    bias = _torch_compat.own_parameters(layer).get("bias")
     if bias is not None:
         params.append(bias)
     return params
@@ -362,27 +361,28 @@ def _init_params(layer: nn.Module) -> list[Tensor]:
 
 def _reshard(model: nn.Module) -> None:
     """Puts every FSDP2 module of ``model`` back in its sharded state."""
-    fsdp = sys.modules.get("torch.distributed.fsdp")
-    if fsdp is None:
+    fsdp_module = _torch_compat.fsdp2_module_type()
+    if fsdp_module is None:
         return
     for module in model.modules():
-        if isinstance(module, fsdp.FSDPModule):
+        if isinstance(module, fsdp_module):
             module.reshard()
 
 
 def _assign_full_(param: Tensor, value: Tensor) -> None:
     """Writes the full tensor ``value`` (identical on every rank) into ``param``."""
-    dtensor = sys.modules.get("torch.distributed.tensor")
-    if dtensor is None or not isinstance(param, dtensor.DTensor):
+    dtensor = _torch_compat.dtensor_type()
+    if dtensor is None or not isinstance(param, dtensor):
         param.copy_(value.view_as(param))
         return
+    # A DTensor exists, so torch.distributed.tensor is imported already.
+    from torch.distributed.tensor import distribute_tensor
+
     sharded: Any = param
     full = value.to(sharded.dtype).view(sharded.shape)
     try:
         # Every rank holds the full value: each keeps its own shard, no communication.
-        local = dtensor.distribute_tensor(
-            full, sharded.device_mesh, sharded.placements, src_data_rank=None
-        )
+        local = distribute_tensor(full, sharded.device_mesh, sharded.placements, src_data_rank=None)
     except TypeError:  # torch without src_data_rank: scatter rank 0's (identical) copy
-        local = dtensor.distribute_tensor(full, sharded.device_mesh, sharded.placements)
+        local = distribute_tensor(full, sharded.device_mesh, sharded.placements)
     sharded.to_local().copy_(local.to_local())

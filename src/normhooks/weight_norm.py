@@ -8,27 +8,26 @@ index of ``dim=0`` for every layer, g and v stored where
 initialization is :func:`normhooks.data_dependent_init`.
 
 The file reads top down: the formula as plain functions, its closed-form gradient for the
-CPU, the :class:`WeightNorm` parametrization, then the public functions that check,
-register, take over torch's weight norm and remove.
+CPU, the :class:`WeightNorm` parametrization, what the shared lifecycle needs to know about
+it, then the public functions. Registering, converting a tree and removing are
+``normhooks._parametrize``'s; taking over and folding torch's weight norm,
+``normhooks._torch_weight_norm``'s.
 """
 
 from __future__ import annotations
 
-import functools
 import math
-import warnings
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import torch
 from torch import Tensor, nn
-from torch.nn.utils import parametrize
-from torch.utils.hooks import RemovableHandle
 
-from normhooks import _checks, _kernels, _parametrize, _torch_compat
-from normhooks._parametrize import Undo, describe, layer_name
+from normhooks import _checks, _kernels, _parametrize, _torch_compat, _torch_weight_norm
+from normhooks._parametrize import describe, layer_name
 from normhooks._precision import HALF_DTYPES
-from normhooks._torch_compat import ConvNd
+from normhooks._torch_compat import ConvNd, own_parameters
 
 __all__ = [
     "WeightNorm",
@@ -38,9 +37,7 @@ __all__ = [
     "weight_norm",
 ]
 
-_MARKER = "weight_norm"
 _WHAT = "weight normalization"
-_LEGACY_SUFFIXES = (("_g", "original0"), ("_v", "original1"))
 
 M = TypeVar("M", bound=nn.Module)
 
@@ -200,7 +197,7 @@ class WeightNorm(nn.Module):
             return _weight_norm(g, v, dim, self.eps)
         if dim is not None and _kernels.available(v) and _kernels.available(g):
             # CUDA with Triton: one fused kernel forward and one backward, exact.
-            return _kernels.fused_weight_norm(g, v, dim, self.eps)
+            return _kernels.fused_weight_norm(g, v, dim, self.eps, plain=_weight_norm)
         if not _eager_cpu(g, v):
             # On an accelerator without Triton, autograd's own graph of the formula launches
             # about as many kernels as the closed-form backward and runs no Python in backward.
@@ -271,311 +268,76 @@ def _check_dim(dim: object) -> int | None:
     return dim
 
 
-def _normhooks_weight_norm(module: nn.Module, name: str) -> WeightNorm | None:
-    chain = _parametrize.parametrizations_of(module, name)
-    return chain[0] if chain and isinstance(chain[0], WeightNorm) else None
+# --- what the lifecycle needs to know -------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Normalization(_parametrize.Technique[int | None]):
+    """Weight normalization along ``dim`` (None: the whole tensor), checked by the public
+    functions; its layout is the axis with one norm per index, resolved for each weight."""
+
+    dim: int | None = 0
+    eps: float = 1e-12
+
+    marker = "weight_norm"
+    what = _WHAT
+    done = "weight-normalized"
+    verb = "convert"
+    tree_function = "apply_weight_norm"
+    parametrization = WeightNorm
+    layers = (nn.Linear, ConvNd)
+    baked_into = "original1"
+    takes_over_torch_weight_norm = True
+
+    def layout(self, module: nn.Module, name: str, ndim: int) -> int | None:
+        if self.dim is None:
+            return None
+        return _checks.axis("dim", self.dim, ndim, describe(module, name))
+
+    def build(self, weight: Tensor, layout: int | None) -> nn.Module:
+        return WeightNorm(layout, self.eps)
+
+    def companions(self) -> dict[str, tuple[str, str]]:
+        return {"g": ("originals", "original0")}
+
+    def self_standardizing(self, own: str) -> str:
+        return (
+            "it would cancel g (the standardized g * v / ||v|| does not depend on g), which "
+            "would then never train. Weight normalization does not compose with the layer's "
+            "own standardization: leave it out (layer_types selects subclasses too, so name "
+            "only the classes to convert, e.g. layer_types=torch.nn.Linear)"
+        )
+
+    def take_over(
+        self, module: nn.Module, name: str, found: Any, strict: bool
+    ) -> _parametrize.Step:
+        return _torch_weight_norm.take_over(self, module, name, found, dim=self.dim, strict=strict)
+
+    def fold_torch_legacy(self, module: nn.Module, name: str, hook: Any) -> None:
+        _torch_weight_norm.fold_legacy(module, name, hook)
+
+    def registered(self, module: nn.Module, name: str) -> None:
+        # Checkpoints of the legacy torch.nn.utils.weight_norm load into every weight norm.
+        _torch_weight_norm.install_key_hooks(module, name, WeightNorm, save_legacy=False)
+
+    def removed(self, module: nn.Module, name: str) -> None:
+        _torch_weight_norm.drop_legacy_removal(module, name)
+
+
+def _technique(dim: object, eps: object) -> _Normalization:
+    """The public functions' settings, checked."""
+    eps = _checks.non_negative("eps", eps)
+    return _Normalization(_check_dim(dim), eps)
 
 
 def is_pending(module: nn.Module, name: str) -> bool:
     """Whether ``module.<name>`` waits for its lazy module's first forward to be converted."""
-    return _parametrize.pending(module, name, _MARKER)
+    return _parametrize.pending(module, name, _Normalization.marker)
 
 
 def is_weight_normalized(module: nn.Module, name: str) -> bool:
     """Whether ``module.<name>`` carries normhooks' weight norm, or will at its first forward."""
-    return _normhooks_weight_norm(module, name) is not None or is_pending(module, name)
-
-
-# --- checkpoints of the legacy torch.nn.utils.weight_norm ------------------------------------
-
-
-class _LoadLegacyKeys:
-    """Load-state-dict pre-hook: reads ``<name>_g``/``<name>_v`` checkpoints of the legacy
-    ``torch.nn.utils.weight_norm`` into ``parametrizations.<name>.original0``/``original1``."""
-
-    def __init__(self, name: str) -> None:
-        self.name = name
-
-    def __call__(
-        self, module: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any
-    ) -> None:
-        if _normhooks_weight_norm(module, self.name) is None:
-            return
-        for suffix, which in _LEGACY_SUFFIXES:
-            legacy = f"{prefix}{self.name}{suffix}"
-            current = f"{prefix}parametrizations.{self.name}.{which}"
-            # A checkpoint with both styles keeps its current keys, and a <name>_g that the
-            # module itself owns is never taken for g.
-            owned = hasattr(module, self.name + suffix)
-            if legacy in state_dict and current not in state_dict and not owned:
-                state_dict[current] = state_dict.pop(legacy)
-
-
-class _SaveLegacyKeys:
-    """State-dict post-hook: saves a taken-over legacy weight norm under its own keys."""
-
-    def __init__(self, name: str) -> None:
-        self.name = name
-
-    def __call__(
-        self, module: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any
-    ) -> None:
-        wn = _normhooks_weight_norm(module, self.name)
-        if wn is None or not wn.legacy_keys:
-            return
-        for suffix, which in _LEGACY_SUFFIXES:
-            key = f"{prefix}parametrizations.{self.name}.{which}"
-            if key in state_dict:
-                state_dict[f"{prefix}{self.name}{suffix}"] = state_dict.pop(key)
-
-
-def _install_key_hooks(module: nn.Module, name: str, *, save_legacy: bool) -> None:
-    """Installs the legacy-key hooks of ``module.<name>`` once; they are inert without WN.
-
-    They decide at each call from the parametrization itself, so copies and unpickled
-    modules behave alike, and removing WN needs no hook bookkeeping.
-    """
-    loads = _torch_compat.load_state_dict_pre_hooks(module)
-    if not any(isinstance(h, _LoadLegacyKeys) and h.name == name for h in loads):
-        module.register_load_state_dict_pre_hook(_LoadLegacyKeys(name))  # type: ignore[no-untyped-call]
-    saves = _torch_compat.state_dict_hooks(module)
-    if save_legacy and not any(isinstance(h, _SaveLegacyKeys) and h.name == name for h in saves):
-        module.register_state_dict_post_hook(_SaveLegacyKeys(name))  # type: ignore[no-untyped-call]
-
-
-class _LegacyRemoval(_torch_compat.LegacyWeightNorm, _parametrize.InertTorchHook):
-    """What torch's legacy ``remove_weight_norm`` finds on a layer whose legacy weight norm
-    normhooks took over: an inert forward pre-hook of torch's hook type.
-
-    Inference code of models built on ``torch.nn.utils.weight_norm`` (HiFi-GAN, MelGAN and
-    many vocoders) folds the weight norm with ``torch.nn.utils.remove_weight_norm``, which
-    looks for that hook and calls its ``remove``: here that folds normhooks' weight norm, as
-    :func:`remove_weight_norm` does. The parametrization computes the weight, so the hook does
-    nothing at a forward, except remove itself once the parametrization is gone (folded by
-    ``torch.nn.utils.parametrize.remove_parametrizations``), so that torch's weight norm can
-    be applied again.
-    """
-
-    def __init__(self, name: str, dim: int | None) -> None:
-        super().__init__(name, -1 if dim is None else dim)
-        self.handle: RemovableHandle | None = None
-
-    def compute_weight(self, module: nn.Module) -> Tensor:
-        weight: Tensor = getattr(module, self.name)
-        return weight
-
-    def remove(self, module: nn.Module) -> None:
-        # torch deletes this hook from the module's hook dict right after.
-        if _normhooks_weight_norm(module, self.name) is not None:
-            _fold_parametrization(module, self.name)
-
-    def __call__(self, module: nn.Module, inputs: Any) -> None:
-        if not parametrize.is_parametrized(module, self.name) and self.handle is not None:
-            self.handle.remove()
-
-
-def _legacy_removal(module: nn.Module, name: str) -> _LegacyRemoval | None:
-    for hook in _torch_compat.forward_pre_hooks(module):
-        if isinstance(hook, _LegacyRemoval) and hook.name == name:
-            return hook
-    return None
-
-
-# --- planning and registering ---------------------------------------------------------------
-
-
-Step = Callable[[], Undo]
-
-
-def _axis(module: nn.Module, name: str, ndim: int, dim: int | None) -> int | None:
-    where = describe(module, name)
-    _parametrize.check_ndim(where, ndim, _WHAT)
-    return None if dim is None else _checks.axis("dim", dim, ndim, where)
-
-
-def _plan(module: nn.Module, name: str, dim: int | None, eps: float, *, strict_dim: bool) -> Step:
-    """Checks ``module.<name>`` and returns the step that weight-normalizes it.
-
-    torch's weight norm is taken over; ``strict_dim`` requires it to run along ``dim``.
-    """
-    own = _parametrize.own_standardization(module) if name == "weight" else None
-    if own is not None:
-        raise ValueError(
-            f"{describe(module, name)} is a {own}, whose forward standardizes whatever weight "
-            "it is given: it would cancel g (the standardized g * v / ||v|| does not depend on "
-            "g), which would then never train. Weight normalization does not compose with the "
-            "layer's own standardization: leave it out (layer_types selects subclasses too, so "
-            "name only the classes to convert, e.g. layer_types=torch.nn.Linear)"
-        )
-    if _parametrize.has_torch_weight_norm(module, name):
-        return _plan_takeover(module, name, dim, eps, strict_dim=strict_dim)
-    weight = _parametrize.checked_tensor(module, name, _WHAT)
-    if is_weight_normalized(module, name):
-        raise ValueError(f"{describe(module, name)} is already weight-normalized")
-    if parametrize.is_parametrized(module, name):
-        kinds = ", ".join(type(p).__name__ for p in _parametrize.parametrizations_of(module, name))
-        raise ValueError(
-            f"{describe(module, name)} already has another parametrization ({kinds}); weight "
-            "normalization needs the plain Parameter: register it first"
-        )
-    if weight is None:
-        others = _parametrize.pending_markers(module, name) - {_MARKER}
-        if others:
-            raise ValueError(
-                f"{describe(module, name)} will get another parametrization at its first "
-                f"forward ({', '.join(sorted(others))}); weight normalization needs the plain "
-                "Parameter: register it first"
-            )
-        lazy = module._parameters[name]
-        assert lazy is not None  # checked_tensor refused None
-        _parametrize.check_dtype(describe(module, name), lazy.dtype, _WHAT)
-        ndim = _parametrize.expected_ndim(module, name)
-        if ndim is not None:
-            _axis(module, name, ndim, dim)
-        register = functools.partial(_register, name=name, dim=dim, eps=eps)
-        return lambda: _parametrize.defer(module, name, register, _MARKER, _WHAT, ("g",))
-    _axis(module, name, weight.ndim, dim)
-    return functools.partial(_register, module, name, dim, eps)
-
-
-def _register(
-    module: nn.Module,
-    name: str,
-    dim: int | None,
-    eps: float,
-    companions: _parametrize.Companions | None = None,
-) -> Undo:
-    """Weight-normalizes ``module.<name>``, which exists (a lazy module's, by its first forward).
-
-    g and v are new Parameters; the old weight Parameter keeps its values, so a module that
-    shares (ties) it is unaffected. A lazy module's conversion, with the placeholder for g
-    made at conversion (``companions``), keeps the Parameters an optimizer built before the
-    first forward holds: g is that placeholder, and v the lazy weight, rewritten in place.
-    """
-    weight = _parametrize.checked_tensor(module, name, _WHAT)
-    if weight is None:
-        raise ValueError(f"{describe(module, name)} is still uninitialized")
-    axis = _axis(module, name, weight.ndim, dim)
-    lazy = companions is not None
-    undo = _parametrize.register(module, name, WeightNorm(axis, eps), _WHAT, watch=not lazy)
-    if companions is not None:
-        g = _parametrize.materialized(
-            companions["g"], _parametrize.original(module, name, "original0")
-        )
-        with torch.no_grad():
-            weight.copy_(_parametrize.original(module, name, "original1"))
-        chain = _parametrize.originals(module, name)
-        chain.original0, chain.original1 = g, weight
-    _install_key_hooks(module, name, save_legacy=False)
-    return undo
-
-
-def _torch_axis(found: Any) -> int | None:
-    # torch's weight norm computes the norm of the whole tensor for dim=-1 (and for None,
-    # which it stores as -1), and along that axis for any other dim.
-    dim: int = found.dim
-    return None if dim == -1 else dim
-
-
-def _plan_takeover(
-    module: nn.Module, name: str, dim: int | None, eps: float, *, strict_dim: bool
-) -> Step:
-    """The step that replaces torch's weight norm on ``module.<name>`` by normhooks'.
-
-    g and v stay the same Parameter objects with the same values and state-dict keys; only
-    the formula changes (``eps`` added to the norm, zero rows give zeros instead of NaN).
-    With ``strict_dim`` the caller's ``dim`` must be the axis torch's runs along.
-    """
-    found = _parametrize.torch_weight_norm(module, name)
-    legacy = _parametrize.is_torch_legacy_weight_norm(found)
-    v = _torch_v(module, name, legacy)
-    _parametrize.refuse_wrapped(module, _WHAT, v, name)
-    axis = _axis(module, name, v.ndim, _torch_axis(found))
-    if strict_dim and _axis(module, name, v.ndim, dim) != axis:
-        kind = "torch.nn.utils." + ("weight_norm" if legacy else "parametrizations.weight_norm")
-        raise ValueError(
-            f"{describe(module, name)} carries torch's weight norm ({kind}) along dim={axis}; "
-            f"weight_norm takes it over with its g and v as they are: pass dim={axis}, got "
-            f"dim={dim}"
-        )
-    if legacy:
-        return functools.partial(_take_over_legacy, module, name, found, axis, eps)
-    return functools.partial(_take_over_parametrization, module, name, axis, eps)
-
-
-def _torch_v(module: nn.Module, name: str, legacy: bool) -> Tensor:
-    if legacy:
-        v = module._parameters[f"{name}_v"]
-        assert v is not None  # the legacy hook registered it
-        return v
-    return _parametrize.original(module, name, "original1")
-
-
-def _take_over_parametrization(module: nn.Module, name: str, axis: int | None, eps: float) -> Undo:
-    chain = _parametrize.originals(module, name)
-    theirs = chain[0]
-    chain[0] = WeightNorm(axis, eps)
-    _install_key_hooks(module, name, save_legacy=False)
-
-    def undo() -> None:
-        chain[0] = theirs
-
-    return undo
-
-
-def _take_over_legacy(
-    module: nn.Module, name: str, hook: Any, axis: int | None, eps: float
-) -> Undo:
-    g_name, v_name = f"{name}_g", f"{name}_v"
-    g, v = module._parameters[g_name], module._parameters[v_name]
-    assert g is not None  # the legacy hook registered both
-    assert v is not None
-    restore_hook = _torch_compat.pop_forward_pre_hook(module, hook)
-    # The weight the hook computed at the last forward, a plain attribute: it goes, since
-    # the parametrization computes the weight from now on.
-    stale = module.__dict__.pop(name, None)
-    del module._parameters[g_name], module._parameters[v_name]
-    try:
-        # Registered on a stand-in of the right shape; the originals it derives are then
-        # replaced by the very g and v Parameters, so optimizers that hold them keep working.
-        module.register_parameter(name, nn.Parameter(v.detach().clone(), v.requires_grad))
-        wn = WeightNorm(axis, eps)
-        wn.legacy_keys = True
-        _parametrize.register_parametrization(module, name, wn)
-        chain = _parametrize.originals(module, name)
-        chain.original0, chain.original1 = g, v
-        _install_key_hooks(module, name, save_legacy=True)
-        removal = _LegacyRemoval(name, axis)
-        removal.handle = module.register_forward_pre_hook(removal)
-    except BaseException:
-        _untake_legacy(module, name, g, v, stale, restore_hook)
-        raise
-
-    def undo() -> None:
-        _untake_legacy(module, name, g, v, stale, restore_hook)
-
-    return undo
-
-
-def _untake_legacy(
-    module: nn.Module,
-    name: str,
-    g: nn.Parameter,
-    v: nn.Parameter,
-    stale: Tensor | None,
-    restore_hook: Callable[[], None],
-) -> None:
-    if parametrize.is_parametrized(module, name):
-        _parametrize.remove_parametrizations(module, name, leave_parametrized=True)
-    removal = _legacy_removal(module, name)
-    if removal is not None and removal.handle is not None:
-        removal.handle.remove()
-    module._parameters.pop(name, None)
-    module.register_parameter(f"{name}_g", g)
-    module.register_parameter(f"{name}_v", v)
-    if stale is not None:
-        setattr(module, name, stale)
-    restore_hook()
+    return _Normalization().applied(module, name)
 
 
 # --- public functions -----------------------------------------------------------------------
@@ -627,40 +389,8 @@ def weight_norm(module: M, name: str = "weight", *, dim: int | None = 0, eps: fl
         >>> lstm.parametrizations.weight_hh_l0.original0.shape
         torch.Size([32, 1])
     """
-    eps = _checks.non_negative("eps", eps)
-    dim = _check_dim(dim)
-    _parametrize.check_module(module)
-    if not isinstance(name, str) or not hasattr(module, name):
-        _parametrize.check_name(name)
-        raise ValueError(
-            f"{layer_name(module)} has no parameter named {name!r}; to convert every layer of "
-            "a model, use apply_weight_norm(model)"
-        )
-    _parametrize.apply_all([_plan(module, name, dim, eps, strict_dim=True)])
+    _parametrize.convert(_technique(dim, eps), module, name)
     return module
-
-
-def _joined(prefix: str, name: str) -> str:
-    return f"{prefix}.{name}" if prefix else name
-
-
-def _refuse_ties(model: nn.Module, planned: dict[int, tuple[nn.Module, str, str]]) -> None:
-    """Raises if a Parameter about to be converted is also another module's or name's.
-
-    ``planned`` maps each Parameter to its owner, its attribute name and its path. A layer
-    that the model calls twice (one module object under two paths) is not a tie.
-    """
-    for prefix, module in model.named_modules(remove_duplicate=False):
-        for name, param in module._parameters.items():
-            found = planned.get(id(param))
-            if found is None or (found[0] is module and found[1] == name):
-                continue
-            other = _joined(prefix, name)
-            raise ValueError(
-                f"{found[2]} and {other} are the same Parameter (tied weights); converting "
-                f"{found[2]} would untie them. Leave its layer out (layer_types), or convert "
-                "one with weight_norm(module) and tie the other to it yourself"
-            )
 
 
 def apply_weight_norm(
@@ -708,55 +438,7 @@ def apply_weight_norm(
         >>> sorted(model[0].parametrizations), hasattr(model[1], "parametrizations")
         (['weight'], False)
     """
-    eps = _checks.non_negative("eps", eps)
-    dim = _check_dim(dim)
-    types = _parametrize.layer_types(layer_types, (nn.Linear, ConvNd))
-    _parametrize.check_module(model, "model")
-    _parametrize.refuse_wrapped(model, _WHAT)
-    steps: list[Step] = []
-    planned: dict[int, tuple[nn.Module, str, str]] = {}
-    left: list[str] = []
-    matched = already = 0
-    for prefix, layer in model.named_modules():
-        if _parametrize.is_internal(layer):
-            continue
-        torch_names = _parametrize.torch_weight_norm_names(layer)
-        if not isinstance(layer, types):
-            left.extend(_joined(prefix, n) for n in torch_names)
-            continue
-        steps.extend(_plan(layer, n, dim, eps, strict_dim=False) for n in torch_names)
-        has_weight = layer._parameters.get("weight") is not None
-        if "weight" in torch_names or not (
-            has_weight or parametrize.is_parametrized(layer, "weight")
-        ):
-            continue
-        matched += 1
-        if is_weight_normalized(layer, "weight"):
-            already += 1
-            continue
-        if has_weight:
-            planned[id(layer._parameters["weight"])] = (layer, "weight", _joined(prefix, "weight"))
-        steps.append(_plan(layer, "weight", dim, eps, strict_dim=True))
-    _refuse_ties(model, planned)
-    if not steps:
-        names = (
-            "Linear, Conv* or ConvTranspose*"
-            if layer_types is None
-            else ", ".join(t.__name__ for t in types)
-        )
-        reason = (
-            f"all {matched} matching layers are already weight-normalized"
-            if matched
-            else f"it has no layer of type {names} with a weight"
-        )
-        raise ValueError(f"nothing to convert in {layer_name(model)}: {reason}")
-    _parametrize.apply_all(steps)
-    if left:
-        warnings.warn(
-            f"apply_weight_norm left torch's weight norm on {', '.join(left)}: their layer "
-            "types are not in layer_types; add them to take it over",
-            stacklevel=2,
-        )
+    _parametrize.convert_tree(_technique(dim, eps), model, layer_types)
     return model
 
 
@@ -784,10 +466,9 @@ def convert_with_weight_normalization(module_cls: Callable[..., M], *args: Any, 
             f"module_cls must build a torch.nn.Module, got {type(module).__name__} from "
             f"{module_cls!r}"
         )
-    steps: list[Step] = []
-    planned: dict[int, tuple[nn.Module, str, str]] = {}
+    targets = []
     for prefix, sub in module.named_modules():
-        for name, param in sub._parameters.items():
+        for name, param in own_parameters(sub).items():
             if param is None:
                 continue
             if _parametrize.is_uninitialized(param):
@@ -797,15 +478,13 @@ def convert_with_weight_normalization(module_cls: Callable[..., M], *args: Any, 
                     "apply_weight_norm(module), which converts at the first forward"
                 )
             if param.ndim >= 2:
-                planned.setdefault(id(param), (sub, name, _joined(prefix, name)))
-                steps.append(_plan(sub, name, 0, 1e-12, strict_dim=True))
-    _refuse_ties(module, planned)
-    if not steps:
+                targets.append((f"{prefix}.{name}" if prefix else name, sub, name))
+    if not targets:
         raise ValueError(
             f"nothing to convert in {layer_name(module)}: it has no parameter with 2 or more "
             "dimensions"
         )
-    _parametrize.apply_all(steps)
+    _parametrize.convert_parameters(_Normalization(0, 1e-12), module, targets)
     return module
 
 
@@ -830,84 +509,5 @@ def remove_weight_norm(module: M, name: str | None = None) -> M:
         >>> linear.weight is v
         True
     """
-    _parametrize.check_module(module)
-    if name is not None:
-        _parametrize.check_name(name)
-        if _parametrize.cancel_pending(module, name, _MARKER):
-            return module
-        _remover(module, name)()
-        return module
-    removers: list[Callable[[], None]] = []
-    pending: list[tuple[nn.Module, str]] = []
-    for sub in module.modules():
-        if _parametrize.is_internal(sub):
-            continue
-        for param_name, param in sub._parameters.items():
-            if _parametrize.is_uninitialized(param) and _parametrize.pending(
-                sub, param_name, _MARKER
-            ):
-                pending.append((sub, param_name))
-        names = _parametrize.parametrized_names(sub) + _parametrize.torch_weight_norm_names(sub)
-        for param_name in dict.fromkeys(names):
-            if is_weight_normalized(sub, param_name) or _parametrize.has_torch_weight_norm(
-                sub, param_name
-            ):
-                removers.append(_remover(sub, param_name))
-    if not removers and not pending:
-        raise ValueError(f"{layer_name(module)} has no weight normalization to remove")
-    for sub, param_name in pending:
-        _parametrize.cancel_pending(sub, param_name, _MARKER)
-    for remove in removers:
-        remove()
+    _parametrize.remove(_Normalization(), module, name, bake=True)
     return module
-
-
-def _remover(module: nn.Module, name: str) -> Callable[[], None]:
-    """Checks that ``module.<name>`` can be folded back; returns what folds it."""
-    found = _parametrize.torch_weight_norm(module, name)
-    if found is not None and _parametrize.is_torch_legacy_weight_norm(found):
-        return functools.partial(_fold_legacy, module, name, found)
-    chain = _parametrize.parametrizations_of(module, name)
-    if found is None and _normhooks_weight_norm(module, name) is None:
-        kinds = ", ".join(type(p).__name__ for p in chain)
-        detail = f" (its parametrizations: {kinds})" if kinds else ""
-        raise ValueError(
-            f"{describe(module, name)} is not weight-normalized{detail}; nothing to remove"
-        )
-    if len(chain) > 1:
-        raise ValueError(
-            f"{describe(module, name)} has other parametrizations besides weight "
-            "normalization; remove those first"
-        )
-    return functools.partial(_fold, module, name)
-
-
-def _fold(module: nn.Module, name: str) -> None:
-    _fold_parametrization(module, name)
-    removal = _legacy_removal(module, name)
-    if removal is not None and removal.handle is not None:
-        removal.handle.remove()
-
-
-def _fold_parametrization(module: nn.Module, name: str) -> None:
-    v = _parametrize.original(module, name, "original1")
-    with torch.no_grad():
-        weight = getattr(module, name).clone()
-    _parametrize.remove_parametrizations(module, name, leave_parametrized=True)
-    with torch.no_grad():
-        v.copy_(weight)
-    delattr(module, name)
-    module.register_parameter(name, v)
-
-
-def _fold_legacy(module: nn.Module, name: str, hook: Any) -> None:
-    v = module._parameters[f"{name}_v"]
-    assert v is not None  # the legacy hook registered it
-    with torch.no_grad():
-        weight = hook.compute_weight(module)
-    _torch_compat.pop_forward_pre_hook(module, hook)
-    module.__dict__.pop(name, None)
-    del module._parameters[f"{name}_g"], module._parameters[f"{name}_v"]
-    with torch.no_grad():
-        v.copy_(weight)
-    module.register_parameter(name, v)

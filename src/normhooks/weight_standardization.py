@@ -9,17 +9,15 @@ with one group), and the Scaled WS of NF-Nets (A. Brock, S. De, S. L. Smith and 
 
 from __future__ import annotations
 
-import functools
 import math
-import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
-from torch.nn.utils import parametrize
 
 from normhooks import _checks, _kernels, _parametrize
-from normhooks._parametrize import describe, output_axis
+from normhooks._parametrize import describe
 from normhooks._precision import upcast
 from normhooks._torch_compat import ConvNd
 
@@ -32,7 +30,6 @@ __all__ = [
     "weight_standardization",
 ]
 
-_MARKER = "weight_standardization"
 _WHAT = "weight standardization"
 
 
@@ -276,140 +273,107 @@ class ScaledWeightStandardization(WeightStandardization):
         return f"{super().extra_repr()}, gamma={self.gamma}, num_channels={self.gain.numel()}"
 
 
-def _is_standardized(module: nn.Module, name: str) -> bool:
-    return _parametrize.pending(module, name, _MARKER) or any(
-        isinstance(p, WeightStandardization) for p in _parametrize.parametrizations_of(module, name)
-    )
+# --- what the lifecycle needs to know -------------------------------------------------------
 
 
-def _resolve(module: nn.Module, name: str, ndim: int, dim: int | None) -> tuple[int, int]:
-    """The standardized axis and the input-channel groups its slices span."""
-    where = describe(module, name)
-    _parametrize.check_ndim(where, ndim, _WHAT)
-    axis = output_axis(module) if dim is None else _checks.axis("dim", dim, ndim, where)
-    groups = getattr(module, "groups", 1)
-    spans_groups = _parametrize.is_transposed(module) and axis == 1 and groups > 1
-    return axis, groups if spans_groups else 1
+@dataclass(frozen=True)
+class _Standardization(_parametrize.Technique[tuple[int, int]]):
+    """Weight standardization (Scaled WS with ``scaled``) along ``dim`` (None: the output axis),
+    checked by the public functions; its layout is the standardized axis and the
+    input-channel groups each of its slices spans, resolved for each weight."""
 
+    eps: float = 1e-5
+    dim: int | None = None
+    scaled: bool = False
+    gamma: float = 1.0
 
-def _check_options(eps: object, scaled: object, gamma: object) -> tuple[float, bool, float]:
-    eps = _checks.positive("eps", eps)
-    scaled = _checks.boolean("scaled", scaled)
-    gamma = _checks.positive("gamma", gamma)
-    if gamma != 1.0 and not scaled:
-        raise ValueError(
-            f"gamma={gamma} scales only Scaled WS; pass scaled=True with it, or leave gamma at 1"
+    marker = "weight_standardization"
+    what = _WHAT
+    done = "standardized"
+    verb = "standardize"
+    tree_function = "apply_weight_standardization"
+    parametrization = WeightStandardization
+    layers = (ConvNd,)
+
+    @property
+    def label(self) -> str:
+        return "Scaled WS" if self.scaled else _WHAT
+
+    def layout(self, module: nn.Module, name: str, ndim: int) -> tuple[int, int]:
+        if self.dim is None:
+            axis = _parametrize.output_axis(module)
+        else:
+            axis = _checks.axis("dim", self.dim, ndim, describe(module, name))
+        groups = getattr(module, "groups", 1)
+        spans_groups = _parametrize.is_transposed(module) and axis == 1 and groups > 1
+        return axis, groups if spans_groups else 1
+
+    def build(self, weight: Tensor, layout: tuple[int, int]) -> nn.Module:
+        axis, groups = layout
+        if not self.scaled:
+            return WeightStandardization(self.eps, axis, groups=groups)
+        return ScaledWeightStandardization(
+            weight.shape[axis] * groups,
+            self.eps,
+            axis,
+            groups=groups,
+            gamma=self.gamma,
+            device=weight.device,
+            dtype=weight.dtype,
         )
-    return eps, scaled, gamma
 
+    def companions(self) -> dict[str, tuple[str, str]]:
+        return {"gain": ("parametrization", "gain")} if self.scaled else {}
 
-def _plan(
-    module: nn.Module, name: str, eps: float, dim: int | None, scaled: bool, gamma: float
-) -> Callable[[], _parametrize.Undo]:
-    """Checks ``module.<name>`` and returns the step that standardizes it."""
-    weight = _parametrize.checked_tensor(module, name, _WHAT)
-    if _is_standardized(module, name):
-        raise ValueError(f"{describe(module, name)} is already standardized")
-    own = _parametrize.own_standardization(module) if name == "weight" else None
-    if own is not None and scaled:
+    def self_standardizing(self, own: str) -> str | None:
+        if not self.scaled:
+            return None  # plain WS is what the layer does already
         remedy = (
             "it applies Scaled WS itself, with its own gain and gamma: use it as it is"
             if "Scaled" in own
             else "it applies plain WS itself: keep it that way (plain WS leaves it alone), or "
             "build the model with plain convolutions for Scaled WS"
         )
-        raise ValueError(
-            f"{describe(module, name)} is a {own}, whose forward standardizes whatever weight "
-            "it is given: it would cancel the gain of Scaled WS, which would then never train; "
-            + remedy
-        )
-    if own is not None:
-        raise ValueError(
-            f"{describe(module, name)} is already standardized by its own forward ({own}); "
-            "standardizing it again would only repeat it"
-        )
-    _refuse_weight_norm_underneath(module, name, weight, dim)
-    if weight is None:
-        ndim = _parametrize.expected_ndim(module, name)
-        if ndim is not None:
-            _resolve(module, name, ndim, dim)
-        register = functools.partial(
-            _register, name=name, eps=eps, dim=dim, scaled=scaled, gamma=gamma
-        )
-        companions = ("gain",) if scaled else ()
-        return lambda: _parametrize.defer(
-            module, name, register, _MARKER, _what(scaled), companions
-        )
-    return functools.partial(_register, module, name, eps, dim, scaled, gamma)
+        return f"it would cancel the gain of Scaled WS, which would then never train; {remedy}"
 
+    def refuse(self, module: nn.Module, name: str, layout: tuple[int, int] | None) -> None:
+        """Raises where standardization would cancel the g of a weight norm beneath it.
 
-def _what(scaled: bool) -> str:
-    return "Scaled WS" if scaled else _WHAT
-
-
-def _refuse_weight_norm_underneath(
-    module: nn.Module, name: str, weight: Tensor | None, dim: int | None
-) -> None:
-    """Raises where standardization would cancel the g of a weight norm beneath it.
-
-    Standardizing a slice removes its scale, so a g that is one number over each standardized
-    slice (the usual layout: g per output channel, or one g for the whole tensor) has no
-    effect on the weight, and a gradient of about zero: it would never train.
-    """
-    pending_wn = "weight_norm" in _parametrize.pending_markers(module, name)
-    found, wn_axis = _parametrize.weight_norm_axis(module, name)
-    if not (found or pending_wn):
-        return
-    if found and weight is not None:
-        axis, _ = _resolve(module, name, weight.ndim, dim)
-        if wn_axis is not None and wn_axis != axis:
+        Standardizing a slice removes its scale, so a g that is one number over each
+        standardized slice (the usual layout: g per output channel, or one g for the whole
+        tensor) has no effect on the weight, and a gradient of about zero: it would never
+        train.
+        """
+        pending_wn = "weight_norm" in _parametrize.pending_markers(module, name)
+        found, wn_axis = _parametrize.weight_norm_axis(module, name)
+        if not (found or pending_wn):
+            return
+        if found and layout is not None and wn_axis is not None and wn_axis != layout[0]:
             return  # g varies within each standardized slice: nothing cancels it
-    raise ValueError(
-        f"{describe(module, name)} is weight-normalized"
-        + (" at its first forward" if pending_wn and not found else "")
-        + "; standardizing g * v / ||v|| slice by slice would cancel g, which would then never "
-        "train. Use one of the two, or remove the weight norm first (remove_weight_norm)"
-    )
-
-
-def _register(
-    module: nn.Module,
-    name: str,
-    eps: float,
-    dim: int | None,
-    scaled: bool,
-    gamma: float,
-    companions: _parametrize.Companions | None = None,
-) -> _parametrize.Undo:
-    """Standardizes ``module.<name>``, which exists (a lazy module's, by its first forward).
-
-    On a lazy module, Scaled WS's gain is the placeholder made at conversion
-    (``companions``), so an optimizer built before the first forward trains it.
-    """
-    weight = _parametrize.checked_tensor(module, name, _WHAT)
-    if weight is None:
-        raise ValueError(f"{describe(module, name)} is still uninitialized")
-    axis, groups = _resolve(module, name, weight.ndim, dim)
-    parametrization: WeightStandardization
-    if scaled:
-        parametrization = ScaledWeightStandardization(
-            weight.shape[axis] * groups,
-            eps,
-            axis,
-            groups=groups,
-            gamma=gamma,
-            device=weight.device,
-            dtype=weight.dtype,
+        raise ValueError(
+            f"{describe(module, name)} is weight-normalized"
+            + (" at its first forward" if pending_wn and not found else "")
+            + "; standardizing g * v / ||v|| slice by slice would cancel g, which would then "
+            "never train. Use one of the two, or remove the weight norm first "
+            "(remove_weight_norm)"
         )
-        if companions is not None:
-            parametrization.gain = _parametrize.materialized(
-                companions["gain"], parametrization.gain
-            )
-    else:
-        parametrization = WeightStandardization(eps, axis, groups=groups)
-    return _parametrize.register(
-        module, name, parametrization, _what(scaled), watch=companions is None
-    )
+
+
+def _technique(eps: object, dim: object, scaled: object, gamma: object) -> _Standardization:
+    """The public functions' settings, checked."""
+    eps = _checks.positive("eps", eps)
+    if dim is not None:
+        dim = _checks.integer("dim", dim)
+    scaled = _checks.boolean("scaled", scaled)
+    gamma = _checks.positive("gamma", gamma)
+    if gamma != 1.0 and not scaled:
+        raise ValueError(
+            f"gamma={gamma} scales only Scaled WS; pass scaled=True with it, or leave gamma at 1"
+        )
+    return _Standardization(eps, dim, scaled, gamma)
+
+
+# --- public functions -----------------------------------------------------------------------
 
 
 def weight_standardization(
@@ -461,15 +425,7 @@ def weight_standardization(
         >>> torch.allclose(w.std(1, unbiased=False), torch.ones(8), atol=1e-3)
         True
     """
-    eps, scaled, gamma = _check_options(eps, scaled, gamma)
-    _parametrize.check_module(module)
-    if not isinstance(name, str) or not hasattr(module, name):
-        _parametrize.check_name(name)
-        raise ValueError(
-            f"{_parametrize.layer_name(module)} has no parameter named {name!r}; to "
-            "standardize every layer of a model, use apply_weight_standardization(model)"
-        )
-    _plan(module, name, eps, dim, scaled, gamma)()
+    _parametrize.convert(_technique(eps, dim, scaled, gamma), module, name)
     return module
 
 
@@ -512,52 +468,8 @@ def apply_weight_standardization(
         >>> type(model[0]).__name__
         'ParametrizedConv2d'
     """
-    eps, scaled, gamma = _check_options(eps, scaled, gamma)
-    types = _parametrize.layer_types(layer_types, (ConvNd,))
-    _parametrize.check_module(model, "model")
-    _parametrize.refuse_wrapped(model, _WHAT)
-    steps = []
-    matched = already = 0
-    own: list[str] = []
-    for prefix, layer in model.named_modules():
-        if _parametrize.is_internal(layer) or not isinstance(layer, types):
-            continue
-        torch_wn = _parametrize.torch_weight_norm(layer, "weight")
-        if torch_wn is not None and _parametrize.is_torch_legacy_weight_norm(torch_wn):
-            raise ValueError(
-                f"{describe(layer, 'weight')} carries torch's legacy weight norm "
-                "(torch.nn.utils.weight_norm), which recomputes the weight in a forward "
-                "pre-hook; weight standardization cannot stack on it (and would cancel its g). "
-                "Remove it first (torch.nn.utils.remove_weight_norm), or leave the layer out"
-            )
-        if "weight" not in layer._parameters and not parametrize.is_parametrized(layer, "weight"):
-            continue
-        matched += 1
-        if _is_standardized(layer, "weight"):
-            already += 1
-            continue
-        if not scaled and _parametrize.own_standardization(layer) is not None:
-            # Its forward standardizes the weight already; _plan refuses Scaled WS on it.
-            own.append(prefix or _parametrize.layer_name(layer))
-            continue
-        steps.append(_plan(layer, "weight", eps, None, scaled, gamma))
-    if not steps:
-        names = ", ".join(t.__name__ for t in types)
-        reason = (
-            f"all {matched} matching layers are already standardized"
-            + (f" ({len(own)} by their own forward, as timm's StdConv2d)" if own else "")
-            if matched
-            else f"it has no layer of type {names} with a weight"
-        )
-        raise ValueError(f"nothing to standardize in {_parametrize.layer_name(model)}: {reason}")
-    _parametrize.apply_all(steps)
-    if own:
-        warnings.warn(
-            f"apply_weight_standardization skipped {', '.join(own)}: their forward standardizes "
-            "the weight itself (timm's StdConv2d and its kin), and standardizing it again "
-            "would only repeat it",
-            stacklevel=2,
-        )
+    technique = _technique(eps, None, scaled, gamma)
+    _parametrize.convert_tree(technique, model, layer_types)
     return model
 
 
@@ -571,7 +483,8 @@ def remove_weight_standardization(
         name: the parameter's name, or None for every standardization in the module tree
             (pending ones on lazy modules included).
         bake: True leaves the standardized weight (times the gain, for Scaled WS) as a plain
-            contiguous Parameter, for inference and export with an unchanged output; False
+            Parameter laid out like the raw weight (contiguous, where that was), for inference
+            and export with an unchanged output; False
             restores the raw weight. Either way it is the same Parameter object as before, so
             an existing optimizer keeps working. Baking writes into that Parameter: the tree
             form refuses layers that share (tie) one raw weight; with a ``name``, bake a tied
@@ -587,69 +500,5 @@ def remove_weight_standardization(
         >>> torch.allclose(conv(torch.ones(1, 3, 5, 5)), before, atol=1e-6)
         True
     """
-    bake = _checks.boolean("bake", bake)
-    _parametrize.check_module(module)
-    if name is not None:
-        _parametrize.check_name(name)
-        if _parametrize.cancel_pending(module, name, _MARKER):
-            return module
-        _check_removable(module, name, bake)
-        _remove(module, name, bake)
-        return module
-    targets = []
-    found = False
-    owners: dict[int, str] = {}
-    for prefix, sub in module.named_modules():
-        if _parametrize.is_internal(sub):
-            continue
-        for param_name in _parametrize.parametrized_names(sub):
-            if _is_standardized(sub, param_name):
-                _check_removable(sub, param_name, bake)
-                targets.append((sub, param_name))
-                raw = getattr(_parametrize.originals(sub, param_name), "original", None)
-                where = f"{prefix}.{param_name}" if prefix else param_name
-                first = owners.setdefault(id(raw), where)
-                if bake and raw is not None and first != where:
-                    # Baking writes into the shared raw weight: the second layer would then
-                    # standardize what the first one baked.
-                    raise ValueError(
-                        f"{first} and {where} standardize the same raw Parameter (tied "
-                        "weights); baking one would change the other. Remove with bake=False, "
-                        "or untie them first"
-                    )
-        found |= _parametrize.pending(sub, "weight", _MARKER)
-    if not targets and not found:
-        raise ValueError(
-            f"{_parametrize.layer_name(module)} has no weight standardization to remove"
-        )
-    for sub in module.modules():
-        _parametrize.cancel_pending(sub, "weight", _MARKER)
-    for sub, param_name in targets:
-        _remove(sub, param_name, bake)
+    _parametrize.remove(_Standardization(), module, name, bake=_checks.boolean("bake", bake))
     return module
-
-
-def _check_removable(module: nn.Module, name: str, bake: bool) -> None:
-    chain = _parametrize.parametrizations_of(module, name)
-    if not any(isinstance(p, WeightStandardization) for p in chain):
-        raise ValueError(f"{describe(module, name)} is not standardized; nothing to remove")
-    if len(chain) > 1 and (bake or not isinstance(chain[-1], WeightStandardization)):
-        raise ValueError(
-            f"{describe(module, name)} has other parametrizations besides weight "
-            "standardization; only an outermost standardization can be removed, with "
-            "bake=False"
-        )
-
-
-def _remove(module: nn.Module, name: str, bake: bool) -> None:
-    chain = _parametrize.parametrizations_of(module, name)
-    if len(chain) > 1:
-        _parametrize.remove_outermost(module, name)
-        return
-    _parametrize.remove_parametrizations(module, name, leave_parametrized=bake)
-    if bake:
-        weight = module._parameters[name]
-        if weight is not None and not weight.is_contiguous():
-            # A transposed layer's standardized weight comes back permuted; a plain layer's
-            # weight is contiguous, and parameters_to_vector and friends expect that.
-            weight.data = weight.data.contiguous()

@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib.util
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from torch import Tensor
 
@@ -91,12 +91,14 @@ def lars_unit_(
     )
 
 
-def fused_weight_norm(g: Tensor, v: Tensor, dim: int, eps: float) -> Tensor:
+def fused_weight_norm(
+    g: Tensor, v: Tensor, dim: int, eps: float, *, plain: Callable[..., Tensor]
+) -> Tensor:
     """See :func:`normhooks._kernels.weight_norm.weight_norm` (a different name here: importing
     that submodule binds ``weight_norm`` in this package to the module)."""
     from normhooks._kernels import weight_norm as module
 
-    return module.weight_norm(g, v, dim, eps)
+    return module.weight_norm(g, v, dim, eps, plain=plain)
 
 
 def standardize_rows(rows: Tensor, eps: float, gain: Tensor | None = None) -> Tensor:

@@ -19,6 +19,7 @@ row's partial sums in a fixed order.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
@@ -40,7 +41,6 @@ from normhooks._kernels._common import (
     tl_dtype,
 )
 from normhooks._precision import compute_dtype
-from normhooks.weight_norm import _weight_norm as plain_weight_norm
 
 
 @triton.jit
@@ -278,8 +278,10 @@ def _partials(count: int, plan: RowPlan, norms: Tensor) -> Tensor:
 
 class _WeightNorm(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, g: Tensor, v: Tensor, dim: int, eps: float) -> Tensor:
-        ctx.dim, ctx.eps = dim, eps
+    def forward(
+        ctx: Any, g: Tensor, v: Tensor, dim: int, eps: float, plain: Callable[..., Tensor]
+    ) -> Tensor:
+        ctx.dim, ctx.eps, ctx.plain = dim, eps, plain
         contiguous = v.contiguous()
         weight = torch.empty_like(contiguous)
         norms = torch.empty(v.shape[dim], dtype=compute_dtype(v.dtype), device=v.device)
@@ -318,11 +320,9 @@ class _WeightNorm(torch.autograd.Function):
             # through the plain formula, whose graph is (the saved inputs keep their history).
             wanted = [t for t in (g, v) if t.requires_grad]
             grads = iter(
-                torch.autograd.grad(
-                    plain_weight_norm(g, v, dim, eps), wanted, grad_w, create_graph=True
-                )
+                torch.autograd.grad(ctx.plain(g, v, dim, eps), wanted, grad_w, create_graph=True)
             )
-            return (*(next(grads) if t.requires_grad else None for t in (g, v)), None, None)
+            return (*(next(grads) if t.requires_grad else None for t in (g, v)), None, None, None)
         contiguous = v.contiguous()
         grad_v = torch.empty_like(contiguous)
         grad_g = torch.empty(g.shape, dtype=g.dtype, device=g.device)
@@ -353,7 +353,7 @@ class _WeightNorm(torch.autograd.Function):
                     partials_block=plan.partials_block,
                 )
         needs_g, needs_v = ctx.needs_input_grad[:2]
-        return grad_g if needs_g else None, grad_v if needs_v else None, None, None
+        return grad_g if needs_g else None, grad_v if needs_v else None, None, None, None
 
 
 def _check(g: Tensor, v: Tensor, dim: int, eps: float) -> None:
@@ -375,7 +375,9 @@ def _check(g: Tensor, v: Tensor, dim: int, eps: float) -> None:
         raise ValueError(f"eps must be non-negative, got eps={eps}")
 
 
-def weight_norm(g: Tensor, v: Tensor, dim: int, eps: float) -> Tensor:
+def weight_norm(
+    g: Tensor, v: Tensor, dim: int, eps: float, *, plain: Callable[..., Tensor]
+) -> Tensor:
     r"""``g * v / (||v|| + eps)``, norms over every axis but ``dim``, in one kernel each way
     (two for a layer of few long rows).
 
@@ -388,10 +390,13 @@ def weight_norm(g: Tensor, v: Tensor, dim: int, eps: float) -> Tensor:
         v: the directions, any layout (a non-contiguous ``v`` is copied once each way).
         dim: the axis with one norm per index (0, or 1 for transposed convolutions).
         eps: added to the norm.
+        plain: the same function in differentiable torch ops, ``plain(g, v, dim, eps)``, which a
+            double backward recomputes through (the caller's formula: nothing here imports
+            the package above).
 
     Returns:
         :math:`W`, contiguous, with ``v``'s shape and dtype.
     """
     _check(g, v, dim, eps)
-    result: Tensor = _WeightNorm.apply(g, v, dim % v.ndim, float(eps))  # type: ignore[no-untyped-call]
+    result: Tensor = _WeightNorm.apply(g, v, dim % v.ndim, float(eps), plain)  # type: ignore[no-untyped-call]
     return result
