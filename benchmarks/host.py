@@ -50,6 +50,7 @@ import _proxy
 from _counts import Counts, count
 from _models import (
     ResNet18,
+    on_every_conv,
     on_every_matrix,
     parametrized_tensors,
     with_batch_norm_standardization,
@@ -60,8 +61,8 @@ from normhooks import (
     AdaptiveGradientClipping,
     GradientLARS,
     TrustRatio,
-    apply_weight_standardization,
     weight_norm,
+    weight_standardization,
 )
 
 SHAPES = Path(__file__).resolve().parent / "shapes"
@@ -108,12 +109,14 @@ def model_candidates(width: int) -> dict[str, Candidate]:
     models = {
         "plain": plain,
         "plain, a second copy (noise)": copy.deepcopy(plain),
-        "normhooks weight_norm (kernel path)": on_every_matrix(weight_norm, copy.deepcopy(plain)),
+        "normhooks weight_norm per layer (kernel path)": on_every_matrix(
+            weight_norm, copy.deepcopy(plain)
+        ),
         "torch parametrizations.weight_norm": on_every_matrix(
             torch_weight_norm, copy.deepcopy(plain)
         ),
-        "normhooks weight standardization (kernel path)": apply_weight_standardization(
-            copy.deepcopy(plain)
+        "normhooks WS per layer (kernel path)": on_every_conv(
+            weight_standardization, copy.deepcopy(plain)
         ),
         "batch_norm WS (timm's formulation)": with_batch_norm_standardization(copy.deepcopy(plain)),
         "floor: unchanged parametrization": with_empty_parametrizations(copy.deepcopy(plain)),

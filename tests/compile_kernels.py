@@ -153,16 +153,18 @@ ROW_KERNELS = [
     RowKernel(
         wn._forward,
         ("v", "g", "w"),
-        ("norms", "partials"),
+        ("partials",),
         WN_INTS,
         ("row_is_contiguous", "split"),
         False,
     ),
-    RowKernel(wn._products, ("grad_w", "v"), ("partials",), WN_INTS, ("row_is_contiguous",), True),
+    RowKernel(
+        wn._products, ("grad_w", "v"), ("dots", "squares"), WN_INTS, ("row_is_contiguous",), True
+    ),
     RowKernel(
         wn._backward,
         ("grad_w", "v", "g", "grad_v", "grad_g"),
-        ("norms", "partials"),
+        ("dots", "squares"),
         WN_INTS,
         ("row_is_contiguous", "split"),
         False,
@@ -173,7 +175,7 @@ ROW_KERNELS = [
     RowKernel(
         ws._forward,
         ("x", "gain", "y"),
-        ("means", "rstds", "sums", "squares"),
+        ("stats", "sums", "squares"),
         (*WS_INTS, "x_row_stride", "x_stride"),
         ("has_gain", "split"),
         False,
@@ -181,7 +183,7 @@ ROW_KERNELS = [
     RowKernel(
         ws._sums,
         ("grad_y", "x"),
-        ("means", "rstds", "incoming_sums", "product_sums"),
+        ("stats", "incoming_sums", "product_sums"),
         (*WS_INTS, "dy_row_stride", "dy_stride", "x_row_stride", "x_stride"),
         (),
         True,
@@ -189,7 +191,7 @@ ROW_KERNELS = [
     RowKernel(
         ws._backward,
         ("grad_y", "x", "gain", "grad_x", "grad_gain"),
-        ("means", "rstds", "incoming_sums", "product_sums"),
+        ("stats", "incoming_sums", "product_sums"),
         (*WS_INTS, "dy_row_stride", "dy_stride", "x_row_stride", "x_stride"),
         ("has_gain", "split"),
         False,
@@ -202,7 +204,7 @@ def build_row(
 ) -> Any:
     a = "*fp64" if dtype == "fp64" else "*fp32"
     types = dict.fromkeys(kernel.values, "*" + dtype) | dict.fromkeys(kernel.sums, a)
-    types |= dict.fromkeys(kernel.ints, ints) | {"eps": "i64"}
+    types |= dict.fromkeys(kernel.ints, ints) | {"eps": "i64", "factor": "i64"}
     split = setting.get("split", kernel.first_launch)
     constants: dict[str, Any] = {"acc": accumulator(dtype), "block": 1024, **setting}
     if "split" in kernel.flags:
@@ -238,7 +240,7 @@ def ones_kernels() -> None:
             )
             a = "*fp32"
             types = dict.fromkeys((*kernel.values, *kernel.sums), a)
-            types |= dict.fromkeys(kernel.ints, "i32") | {"eps": "i64"}
+            types |= dict.fromkeys(kernel.ints, "i32") | {"eps": "i64", "factor": "i64"}
             constants: dict[str, Any] = {"acc": tl.float32, "block": 16, **setting}
             if "split" in kernel.flags:
                 constants["partials_block"] = 2 if split else 1

@@ -76,6 +76,16 @@ def ws_reference(rows: Tensor, gain: Tensor | None = None, eps: float = 1e-5) ->
     return out if gain is None else out * gain.view(-1, 1)
 
 
+def ws_layout(rows: Tensor) -> _common.RowPlan:
+    """How the standardization kernels spread ``rows`` over programs."""
+    return ws_kernels.plan(rows, 1e-5, None, 1.0).layout
+
+
+def clear_plans() -> None:
+    wn_kernels._plans.clear()
+    ws_kernels._plans.clear()
+
+
 def gain_shape(v: Tensor, dim: int) -> list[int]:
     return [n if d == dim else 1 for d, n in enumerate(v.shape)]
 
@@ -193,8 +203,8 @@ class KernelCases:
     @pytest.fixture
     def rows(
         self, monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest
-    ) -> Callable[[_common.RowPlan], None]:
-        """Sets how row kernels spread rows over programs, from ``request.param``; returns a
+    ) -> Iterator[Callable[[_common.RowPlan], None]]:
+        """Sets how row kernels spread rows over programs, from ``request.param``; yields a
         check that a plan does what the param asks."""
         settings: dict[str, int] = request.param
         for name, value in settings.items():
@@ -204,7 +214,11 @@ class KernelCases:
             assert (plan.splits > 1) == ("MIN_SEGMENT" in settings), plan
             assert plan.wide == ("INT32_SAFE" in settings), plan
 
-        return check
+        # Plans are kept by layout, which the settings do not enter: none made under other
+        # settings may be found, before or after.
+        clear_plans()
+        yield check
+        clear_plans()
 
     @pytest.fixture
     def capturing(self, monkeypatch: pytest.MonkeyPatch) -> Callable[[bool], None]:
@@ -675,7 +689,7 @@ class KernelCases:
         rows: Callable[[_common.RowPlan], None],
     ) -> None:
         matrix = torch.randn(3, 100, dtype=torch.float64) * 3 + 2
-        rows(ws_kernels._plan(matrix))
+        rows(ws_layout(matrix))
         matrix[1] = 0.25  # a constant row: zero variance
         matrix[2] = matrix[2] * 1e-3 + 1e3  # a mean large against the spread
         if transposed:
@@ -694,7 +708,7 @@ class KernelCases:
     def test_standardize_rows_split_rows_are_deterministic(self, device: str) -> None:
         matrix = torch.randn(3, 100).to(device).requires_grad_()
         gain = torch.randn(3).to(device).requires_grad_()
-        assert ws_kernels._plan(matrix).splits > 1
+        assert ws_layout(matrix).splits > 1
         upstream = torch.randn(3, 100).to(device)
 
         def run() -> list[Tensor]:
@@ -782,7 +796,7 @@ class KernelCases:
     @pytest.mark.parametrize(
         ("shape", "gain", "eps", "match"),
         [
-            pytest.param((2, 3, 4), None, 1e-5, "2-D matrix", id="3-D"),
+            pytest.param((6,), None, 1e-5, "at least 2 dimensions", id="1-D"),
             pytest.param((2, 3), 3, 1e-5, "gain must have shape", id="gain"),
             pytest.param((2, 3), None, -1.0, "eps must be non-negative", id="eps"),
         ],

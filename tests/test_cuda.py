@@ -211,11 +211,11 @@ if importlib.util.find_spec("triton") is not None:
         gain_shape,
         lars_reference,
         wn_reference,
+        ws_layout,
         ws_reference,
     )
     from normhooks._kernels import lars as lars_kernels
     from normhooks._kernels import weight_norm as wn_kernels
-    from normhooks._kernels import weight_standardization as ws_kernels
     from normhooks._kernels.lars import lars_unit_
     from normhooks._kernels.weight_norm import weight_norm as fused_weight_norm
     from normhooks._kernels.weight_standardization import standardize_rows
@@ -481,7 +481,7 @@ if importlib.util.find_spec("triton") is not None:
             on_gpu = rows.to("cuda", dtype)
             if transposed:
                 on_gpu = on_gpu.t().contiguous().t()
-            assert ws_kernels._plan(on_gpu).splits > 1
+            assert ws_layout(on_gpu).splits > 1
             ours = [on_gpu.requires_grad_(), gain.to("cuda", dtype).requires_grad_()]
             out = standardize_rows(ours[0], 1e-5, ours[1])
             grads = torch.autograd.grad(out, ours, upstream.to("cuda", dtype))
@@ -519,7 +519,7 @@ if importlib.util.find_spec("triton") is not None:
         @needs_memory
         def test_standardize_rows_kernel_past_2_31_values(self) -> None:
             rows = torch.randn(2, 2**30, device="cuda", dtype=torch.float16)
-            assert ws_kernels._plan(rows).wide
+            assert ws_layout(rows).wide
             upstream = torch.randn_like(rows)
             rows.requires_grad_()
             out = standardize_rows(rows, 1e-5)

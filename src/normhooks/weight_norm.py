@@ -161,6 +161,22 @@ class _WeightNormFunction(torch.autograd.Function):
 # --- the parametrization --------------------------------------------------------------------
 
 
+class _Route:
+    """Where a layer's weight is computed: the axis of v after the checks, and the kernels'
+    plan, made at the first forward that runs them."""
+
+    __slots__ = ("dim", "plan")
+
+    def __init__(self, dim: int | None) -> None:
+        self.dim = dim
+        self.plan: object = None
+
+
+# WeightNorm's routes, by what they depend on (see WeightNorm._route).
+_ROUTES: dict[tuple[object, ...], _Route] = {}
+_MAX_ROUTES = 4096
+
+
 class WeightNorm(nn.Module):
     r"""Parametrization ``(g, v) -> W = g * v / (||v|| + eps)``, norms over all axes but ``dim``.
 
@@ -194,13 +210,16 @@ class WeightNorm(nn.Module):
         self.legacy_keys = False
 
     def forward(self, g: Tensor, v: Tensor) -> Tensor:
-        dim = self._checked_dim(g, v)
+        route = self._route(g, v)
+        dim = route.dim
         if g.dtype != v.dtype:
             # The fused kernels and torch's fused op take one dtype; the formula promotes.
             return _weight_norm(g, v, dim, self.eps)
-        if dim is not None and _kernels.available(v) and _kernels.available(g):
+        if dim is not None and _kernels.available(g, v):
             # CUDA with Triton: one fused kernel forward and one backward, exact.
-            return _kernels.fused_weight_norm(g, v, dim, self.eps)
+            if route.plan is None:
+                route.plan = _kernels.weight_norm_plan(g, v, dim, self.eps)
+            return _kernels.planned_weight_norm(g, v, route.plan)
         if not _eager_cpu(g, v):
             # On an accelerator without Triton, autograd's own graph of the formula launches
             # about as many kernels as the closed-form backward and runs no Python in backward.
@@ -215,13 +234,30 @@ class WeightNorm(nn.Module):
         result: Tensor = _WeightNormFunction.apply(g, v, dim, self.eps)  # type: ignore[no-untyped-call]
         return result
 
-    def _checked_dim(self, g: Tensor, v: Tensor) -> int | None:
-        """The axis of ``v`` with one norm per index, after checking g and v.
+    def _route(self, g: Tensor, v: Tensor) -> _Route:
+        """The outcome of the checks of g and v: the axis of v with one norm per index, and,
+        where the kernels run, their plan.
 
         Every path reads g by v's layout (torch's fused op and the kernels index it per row
-        without bounds checks), so g's shape is checked here, on every path: a few attribute
-        reads, static under torch.compile.
+        without bounds checks), so g's shape is checked here, on every path. In eager code
+        on plain tensors, the outcome is kept by everything it depends on (shapes, strides,
+        dtypes, devices, ``dim`` and ``eps``), so a layer pays for its checks once and finds
+        its kernel plan with them; under ``torch.compile`` they run as they are, static
+        attribute reads.
         """
+        if torch.compiler.is_compiling() or not _torch_compat.plain_tensors(g, v):
+            return _Route(self._check(g, v))
+        key: tuple[object, ...] = (v.shape, v.stride(), v.dtype, v.device, g.shape, g.stride())
+        key += (g.dtype, g.device, self.dim, self.eps)
+        route = _ROUTES.get(key)
+        if route is None:
+            route = _Route(self._check(g, v))
+            if len(_ROUTES) >= _MAX_ROUTES:
+                _ROUTES.clear()
+            _ROUTES[key] = route
+        return route
+
+    def _check(self, g: Tensor, v: Tensor) -> int | None:
         _parametrize.check_tensor(v, "v", _WHAT)
         if not isinstance(g, Tensor):
             raise TypeError(f"g must be a torch.Tensor, got {type(g).__name__}")

@@ -18,7 +18,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn.utils import parametrize
 
-from normhooks import _checks, _kernels, _parametrize
+from normhooks import _checks, _kernels, _parametrize, _torch_compat
 from normhooks._parametrize import describe, output_axis
 from normhooks._precision import upcast
 from normhooks._torch_compat import ConvNd
@@ -142,14 +142,40 @@ def _check_gain(where: str, gain: object, weight: Tensor, dim: int, groups: int)
     return gain
 
 
-def _standardize(weight: Tensor, dim: int, eps: float, groups: int, gain: Tensor | None) -> Tensor:
-    """:func:`standardize_weight` on checked arguments, ``dim`` in ``range(weight.ndim)``."""
+def _standardize(
+    weight: Tensor,
+    dim: int,
+    eps: float,
+    groups: int,
+    gain: Tensor | None,
+    factor: float | None = None,
+    route: _Route | None = None,
+) -> Tensor:
+    """:func:`standardize_weight` on checked arguments, ``dim`` in ``range(weight.ndim)``,
+    with the gain scaled by ``factor`` (Scaled WS's ``gamma / sqrt(fan_in)``) when given.
+    ``route``: a parametrization's, which keeps the kernels' plan."""
+    if (
+        dim == 0
+        and groups == 1
+        and weight.numel()
+        and (_kernels.available(weight) if gain is None else _kernels.available(weight, gain))
+    ):
+        # One fused kernel forward and one backward, statistics in float32 for halves: the
+        # kernel reads the weight's rows where they are, and writes the weight's shape.
+        scale = 1.0 if factor is None else factor
+        if route is None:
+            return _kernels.standardize_rows(weight, eps, gain, scale)
+        if route.plan is None:
+            route.plan = _kernels.standardization_plan(weight, eps, gain, scale)
+        return _kernels.planned_standardization(weight, gain, route.plan)
     rows, shape = _rows(weight, dim, groups)
     if rows.numel() == 0:
         return weight.clone()
-    if _kernels.available(rows):
-        # One fused kernel forward and one backward, statistics in float32 for halves.
-        return _unrows(_kernels.standardize_rows(rows, eps, gain), shape, dim, groups)
+    if _kernels.available(rows) and (gain is None or _kernels.available(gain)):
+        scaled = _kernels.standardize_rows(rows, eps, gain, 1.0 if factor is None else factor)
+        return _unrows(scaled, shape, dim, groups)
+    if gain is not None and factor is not None:
+        gain = gain * factor
     exact = upcast(rows)
     if exact.device.type == "cpu":
         # Each row as one sample of a one-group group norm, which is how Chainer computes it;
@@ -162,6 +188,24 @@ def _standardize(weight: Tensor, dim: int, eps: float, groups: int, gain: Tensor
     if gain is not None:
         standardized = standardized * gain.to(standardized.dtype).view(-1, 1)
     return _unrows(standardized.to(weight.dtype), shape, dim, groups)
+
+
+class _Route:
+    """Where a parametrization's weight is computed: the standardized axis after the checks,
+    Scaled WS's ``gamma / sqrt(fan_in)``, and the kernels' plan, made at the first forward
+    that runs them."""
+
+    __slots__ = ("dim", "factor", "plan")
+
+    def __init__(self, dim: int, factor: float | None = None) -> None:
+        self.dim = dim
+        self.factor = factor
+        self.plan: object = None
+
+
+# The parametrizations' routes, by what they depend on (see WeightStandardization._route).
+_ROUTES: dict[tuple[object, ...], _Route] = {}
+_MAX_ROUTES = 4096
 
 
 class WeightStandardization(nn.Module):
@@ -196,6 +240,40 @@ class WeightStandardization(nn.Module):
     def _axis(self, weight: Tensor) -> int:
         """The standardized axis of ``weight``, after the checks of :func:`standardize_weight`
         that its arguments need (the settings were checked at construction)."""
+        return self._route(weight).dim
+
+    def _route(self, weight: Tensor, gain: Tensor | None = None) -> _Route:
+        """The outcome of the checks of ``weight`` (and of ``gain``, for Scaled WS): the
+        standardized axis, and where the kernels run, their plan.
+
+        In eager code on plain tensors, the outcome is kept by everything it depends on
+        (shapes, strides, dtypes, devices and the settings), so a layer pays for its checks
+        once and finds its kernel plan with them; under ``torch.compile`` they run as they
+        are, static attribute reads.
+        """
+        plain = (
+            _torch_compat.plain_tensors(weight)
+            if gain is None
+            else _torch_compat.plain_tensors(weight, gain)
+        )
+        if torch.compiler.is_compiling() or not plain:
+            return self._new_route(weight, gain)
+        key: tuple[object, ...] = (weight.shape, weight.stride(), weight.dtype, weight.device)
+        key += (type(self), self.dim, self.groups, self.eps)
+        if gain is not None:
+            key += (gain.shape, gain.stride(), gain.dtype, gain.device, self._gamma())
+        route = _ROUTES.get(key)
+        if route is None:
+            route = self._new_route(weight, gain)
+            if len(_ROUTES) >= _MAX_ROUTES:
+                _ROUTES.clear()
+            _ROUTES[key] = route
+        return route
+
+    def _gamma(self) -> float:
+        return 1.0
+
+    def _new_route(self, weight: Tensor, gain: Tensor | None) -> _Route:
         _parametrize.check_tensor(weight, "weight", _WHAT)
         dim = self.dim
         if not -weight.ndim <= dim < weight.ndim:
@@ -203,10 +281,15 @@ class WeightStandardization(nn.Module):
         dim %= weight.ndim
         if self.groups > 1:
             _check_groups(weight, dim, self.groups)
-        return dim
+        if gain is None:
+            return _Route(dim)
+        _check_gain("gain", gain, weight, dim, self.groups)
+        fan_in = weight.numel() // gain.shape[0] if gain.shape[0] else 0
+        return _Route(dim, self._gamma() / math.sqrt(fan_in) if fan_in else None)
 
     def forward(self, weight: Tensor) -> Tensor:
-        return _standardize(weight, self._axis(weight), self.eps, self.groups, None)
+        route = self._route(weight)
+        return _standardize(weight, route.dim, self.eps, self.groups, None, route=route)
 
     def extra_repr(self) -> str:
         groups = f", groups={self.groups}" if self.groups != 1 else ""
@@ -265,12 +348,13 @@ class ScaledWeightStandardization(WeightStandardization):
             )
         return weight
 
+    def _gamma(self) -> float:
+        return self.gamma
+
     def forward(self, weight: Tensor) -> Tensor:
-        dim = self._axis(weight)
-        gain = _check_gain("gain", self.gain, weight, dim, self.groups)
-        fan_in = weight.numel() // gain.shape[0] if gain.shape[0] else 0
-        scale = gain * (self.gamma / math.sqrt(fan_in)) if fan_in else gain
-        return _standardize(weight, dim, self.eps, self.groups, scale)
+        gain = self.gain
+        route = self._route(weight, gain)
+        return _standardize(weight, route.dim, self.eps, self.groups, gain, route.factor, route)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, gamma={self.gamma}, num_channels={self.gain.numel()}"

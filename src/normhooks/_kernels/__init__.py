@@ -17,6 +17,8 @@ import contextlib
 import functools
 import importlib.util
 from collections.abc import Iterator
+from types import ModuleType
+from typing import Any
 
 from torch import Tensor
 
@@ -32,13 +34,12 @@ def _triton_importable() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
-def available(tensor: Tensor) -> bool:
-    """Whether the kernels can run on ``tensor``."""
-    return (
-        (tensor.is_cuda or (_route_cpu and tensor.is_cpu))
-        and _torch_compat.plain_eager(tensor)
-        and _triton_importable()
-    )
+def available(*tensors: Tensor) -> bool:
+    """Whether the kernels can run on ``tensors``."""
+    for tensor in tensors:
+        if not (tensor.is_cuda or (_route_cpu and tensor.is_cpu)):
+            return False
+    return _torch_compat.plain_eager(*tensors) and _triton_importable()
 
 
 @contextlib.contextmanager
@@ -91,16 +92,56 @@ def lars_unit_(
     )
 
 
+@functools.cache
+def _weight_norm() -> ModuleType:
+    # Imported at the first call (not with the package: that would import Triton), then
+    # found in this cache.
+    from normhooks._kernels import weight_norm
+
+    return weight_norm
+
+
+@functools.cache
+def _weight_standardization() -> ModuleType:
+    from normhooks._kernels import weight_standardization
+
+    return weight_standardization
+
+
 def fused_weight_norm(g: Tensor, v: Tensor, dim: int, eps: float) -> Tensor:
     """See :func:`normhooks._kernels.weight_norm.weight_norm` (a different name here: importing
     that submodule binds ``weight_norm`` in this package to the module)."""
-    from normhooks._kernels import weight_norm as module
+    result: Tensor = _weight_norm().weight_norm(g, v, dim, eps)
+    return result
 
-    return module.weight_norm(g, v, dim, eps)
+
+def weight_norm_plan(g: Tensor, v: Tensor, dim: int, eps: float) -> object:
+    """See :func:`normhooks._kernels.weight_norm.plan`."""
+    return _weight_norm().plan(g, v, dim, eps)
 
 
-def standardize_rows(rows: Tensor, eps: float, gain: Tensor | None = None) -> Tensor:
+def planned_weight_norm(g: Tensor, v: Tensor, plan: Any) -> Tensor:
+    """:func:`fused_weight_norm` with the layer's plan (:func:`weight_norm_plan`), on plain
+    eager tensors that :func:`available` accepts."""
+    result: Tensor = plan.apply(g, v)
+    return result
+
+
+def standardize_rows(
+    rows: Tensor, eps: float, gain: Tensor | None = None, factor: float = 1.0
+) -> Tensor:
     """See :func:`normhooks._kernels.weight_standardization.standardize_rows`."""
-    from normhooks._kernels import weight_standardization
+    result: Tensor = _weight_standardization().standardize_rows(rows, eps, gain, factor)
+    return result
 
-    return weight_standardization.standardize_rows(rows, eps, gain)
+
+def standardization_plan(rows: Tensor, eps: float, gain: Tensor | None, factor: float) -> object:
+    """See :func:`normhooks._kernels.weight_standardization.plan`."""
+    return _weight_standardization().plan(rows, eps, gain, factor)
+
+
+def planned_standardization(rows: Tensor, gain: Tensor | None, plan: Any) -> Tensor:
+    """:func:`standardize_rows` with the tensor's plan (:func:`standardization_plan`), on
+    plain eager tensors that :func:`available` accepts."""
+    result: Tensor = plan.apply(rows, gain)
+    return result

@@ -31,15 +31,18 @@ from normhooks._kernels._common import (
     acc_dtype,
     as_float,
     bits,
+    device_index,
     div,
-    on_device,
+    remember,
     row_partials,
     row_plan,
     segment_bounds,
     sqrt,
     tl_dtype,
 )
+from normhooks._kernels._launch import Kernel
 from normhooks._precision import compute_dtype
+from normhooks._torch_compat import function_apply
 from normhooks.weight_norm import _weight_norm as plain_weight_norm
 
 
@@ -90,7 +93,7 @@ def _sum_of_squares(  # type: ignore[no-untyped-def]
 
 
 @triton.jit
-def _sum_of_products(  # type: ignore[no-untyped-def]
+def _sums_of_products(  # type: ignore[no-untyped-def]
     grad_w,
     v,
     row,
@@ -103,7 +106,10 @@ def _sum_of_products(  # type: ignore[no-untyped-def]
     row_is_contiguous: tl.constexpr,
     wide: tl.constexpr,
 ):
+    """``(sum W' v, sum v v)`` over ``[start, end)``: backward recomputes the norm in the pass
+    that reads v anyway, in the order forward summed it, so forward saves nothing."""
     products = tl.zeros([block], dtype=acc)
+    squares = tl.zeros([block], dtype=acc)
     first = start
     while first < end:
         k = first + tl.arange(0, block)
@@ -112,8 +118,9 @@ def _sum_of_products(  # type: ignore[no-untyped-def]
         values = tl.load(v + offsets, mask=mask, other=0.0).to(acc)
         incoming = tl.load(grad_w + offsets, mask=mask, other=0.0).to(acc)
         products += incoming * values
+        squares += values * values
         first += block
-    return tl.sum(products, axis=0)
+    return tl.sum(products, axis=0), tl.sum(squares, axis=0)
 
 
 @triton.jit
@@ -142,7 +149,6 @@ def _forward(  # type: ignore[no-untyped-def]
     v,
     g,
     w,
-    norms,
     partials,
     length,
     count,
@@ -165,8 +171,7 @@ def _forward(  # type: ignore[no-untyped-def]
         squares = _sum_of_squares(
             v, row, start, end, count, inner, acc, block, row_is_contiguous, wide
         )
-    norm = sqrt(squares, acc)
-    scale = div(tl.load(g + row).to(acc), _denominator(norm, eps, acc), acc)
+    scale = div(tl.load(g + row).to(acc), _denominator(sqrt(squares, acc), eps, acc), acc)
     first = start
     while first < end:
         k = first + tl.arange(0, block)
@@ -175,14 +180,14 @@ def _forward(  # type: ignore[no-untyped-def]
         values = tl.load(v + offsets, mask=mask, other=0.0).to(acc)
         tl.store(w + offsets, (values * scale).to(w.dtype.element_ty), mask=mask)
         first += block
-    tl.store(norms + row, norm, mask=tl.program_id(1) == 0)
 
 
 @triton.jit
 def _products(  # type: ignore[no-untyped-def]
     grad_w,
     v,
-    partials,
+    dots,
+    squares,
     length,
     count,
     inner,
@@ -193,13 +198,15 @@ def _products(  # type: ignore[no-untyped-def]
     row_is_contiguous: tl.constexpr,
     wide: tl.constexpr,
 ):
-    """A split row's first launch backward: each segment's sum of ``W' v``."""
+    """A split row's first launch backward: each segment's sums of ``W' v`` and of ``v v``."""
     row = tl.program_id(0).to(tl.int64)
     start, end = segment_bounds(length, segment, wide)
-    dot = _sum_of_products(
+    dot, square = _sums_of_products(
         grad_w, v, row, start, end, count, inner, acc, block, row_is_contiguous, wide
     )
-    tl.store(partials + row * splits + tl.program_id(1), dot)
+    at = row * splits + tl.program_id(1)
+    tl.store(dots + at, dot)
+    tl.store(squares + at, square)
 
 
 @triton.jit(do_not_specialize=["eps"])
@@ -207,8 +214,8 @@ def _backward(  # type: ignore[no-untyped-def]
     grad_w,
     v,
     g,
-    norms,
-    partials,
+    dots,
+    squares,
     grad_v,
     grad_g,
     length,
@@ -227,12 +234,13 @@ def _backward(  # type: ignore[no-untyped-def]
     row = tl.program_id(0).to(tl.int64)
     start, end = segment_bounds(length, segment, wide)
     if split:
-        dot = row_partials(partials, row, splits, partials_block)
+        dot = row_partials(dots, row, splits, partials_block)
+        square = row_partials(squares, row, splits, partials_block)
     else:
-        dot = _sum_of_products(
+        dot, square = _sums_of_products(
             grad_w, v, row, start, end, count, inner, acc, block, row_is_contiguous, wide
         )
-    norm = tl.load(norms + row)
+    norm = sqrt(square, acc)
     denominator = _denominator(norm, eps, acc)
     safe_norm = tl.where(norm > 0.0, norm, 1.0).to(acc)
     scale = div(tl.load(g + row).to(acc), denominator, acc)
@@ -269,95 +277,185 @@ def _layout(v: Tensor, dim: int) -> _Layout:
     return _Layout(length, count, inner, length == inner, row_plan(count, length, numel))
 
 
-def _partials(count: int, plan: RowPlan, norms: Tensor) -> Tensor:
-    """The partial sums of split rows; ``norms`` stands in (unread) when rows are whole."""
-    if plan.splits == 1:
-        return norms
-    return torch.empty((count, plan.splits), dtype=norms.dtype, device=norms.device)
+class _Plan:
+    """Everything a layer's launches need that its shapes, strides, dtypes, device, ``dim``
+    and ``eps`` fix: computed once, after the checks, and found again by :func:`plan`."""
+
+    __slots__ = (
+        "backward_kernels",
+        "constexprs",
+        "device",
+        "dim",
+        "empty",
+        "eps",
+        "eps_bits",
+        "first_constexprs",
+        "forward_kernels",
+        "g_contiguous",
+        "grid",
+        "partials",
+        "sizes",
+        "split",
+        "v_contiguous",
+    )
+
+    def __init__(self, g: Tensor, v: Tensor, dim: int, eps: float) -> None:
+        length, count, inner, row_contiguous, plan = _layout(v, dim)
+        self.dim, self.eps = dim, eps
+        self.empty = count == 0
+        self.split = plan.splits > 1
+        self.grid = (count, plan.splits)
+        self.sizes = (length, count, inner, plan.segment, plan.splits)
+        self.eps_bits = bits(eps)
+        acc = acc_dtype(v.dtype)
+        self.first_constexprs = (acc, plan.block, row_contiguous, plan.wide)
+        self.constexprs = (
+            acc,
+            plan.block,
+            row_contiguous,
+            self.split,
+            plan.partials_block,
+            plan.wide,
+        )
+        self.partials = (count * plan.splits, compute_dtype(v.dtype))
+        self.v_contiguous = v.is_contiguous()
+        self.g_contiguous = g.is_contiguous()
+        self.device = device_index(v.device)
+        # The compiled kernels this plan launches, by the alignment of their pointers.
+        self.forward_kernels: tuple[dict[Any, Any], dict[Any, Any]] = ({}, {})
+        self.backward_kernels: tuple[dict[Any, Any], dict[Any, Any]] = ({}, {})
+
+    def apply(self, g: Tensor, v: Tensor) -> Tensor:
+        """:func:`weight_norm` of a layer of this plan, on plain eager tensors."""
+        result: Tensor = _APPLY(g, v, self)
+        return result
+
+
+_plans: dict[tuple[object, ...], _Plan] = {}
+
+
+def plan(g: Tensor, v: Tensor, dim: int, eps: float) -> _Plan:
+    """The checked plan of a layer, found by what determines it (never stale: a layer that
+    changes shape, layout, dtype or device gets another key)."""
+    key: tuple[object, ...] = (v.shape, v.stride(), v.dtype, v.device, g.shape, g.stride())
+    key += (g.dtype, g.device, dim, eps)
+    found = _plans.get(key)
+    if found is None:
+        _check(g, v, dim, eps)
+        found = _Plan(g, v, dim % v.ndim, float(eps))
+        remember(_plans, key, found)
+    return found
 
 
 class _WeightNorm(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, g: Tensor, v: Tensor, dim: int, eps: float) -> Tensor:
-        ctx.dim, ctx.eps = dim, eps
-        contiguous = v.contiguous()
+    def forward(ctx: Any, g: Tensor, v: Tensor, plan: _Plan) -> Tensor:
+        ctx.plan = plan
+        ctx.save_for_backward(g, v)
+        contiguous = v if plan.v_contiguous else v.contiguous()
         weight = torch.empty_like(contiguous)
-        norms = torch.empty(v.shape[dim], dtype=compute_dtype(v.dtype), device=v.device)
-        length, count, inner, row_contiguous, plan = _layout(v, dim)
-        if count:
-            split = plan.splits > 1
-            partials = _partials(count, plan, norms)
-            sizes = (length, count, inner, plan.segment, plan.splits)
-            shared = {"acc": acc_dtype(v.dtype), "block": plan.block, "wide": plan.wide}
-            shared["row_is_contiguous"] = row_contiguous
-            grid = (count, plan.splits)
-            with on_device(v.device):
-                if split:
-                    _squares[grid](contiguous, partials, *sizes, **shared)
-                _forward[grid](
-                    contiguous,
-                    g.contiguous(),
-                    weight,
-                    norms,
-                    partials,
-                    *sizes,
-                    bits(eps),
-                    **shared,
-                    split=split,
-                    partials_block=plan.partials_block,
-                )
-        ctx.save_for_backward(g, v, norms)
+        if plan.empty:
+            return weight
+        gains = g if plan.g_contiguous else g.contiguous()
+        partials = weight
+        if plan.split:
+            count, dtype = plan.partials
+            partials = torch.empty(count, dtype=dtype, device=v.device)
+            _SQUARES(
+                plan.forward_kernels[0],
+                plan.grid,
+                plan.device,
+                (contiguous,),
+                contiguous,
+                partials,
+                *plan.sizes,
+                *plan.first_constexprs,
+            )
+        _FORWARD(
+            plan.forward_kernels[1],
+            plan.grid,
+            plan.device,
+            (contiguous, gains),
+            contiguous,
+            gains,
+            weight,
+            partials,
+            *plan.sizes,
+            plan.eps_bits,
+            *plan.constexprs,
+        )
         return weight
 
     @staticmethod
     def backward(ctx: Any, grad_w: Tensor) -> tuple[Tensor | None, ...]:
-        g, v, norms = ctx.saved_tensors
-        dim, eps = ctx.dim, ctx.eps
+        g, v = ctx.saved_tensors
+        plan: _Plan = ctx.plan
         if torch.is_grad_enabled():
             # create_graph: the kernel's backward is not itself differentiable, so recompute
             # through the plain formula, whose graph is (the saved inputs keep their history).
             wanted = [t for t in (g, v) if t.requires_grad]
             grads = iter(
                 torch.autograd.grad(
-                    plain_weight_norm(g, v, dim, eps), wanted, grad_w, create_graph=True
+                    plain_weight_norm(g, v, plan.dim, plan.eps), wanted, grad_w, create_graph=True
                 )
             )
-            return (*(next(grads) if t.requires_grad else None for t in (g, v)), None, None)
-        contiguous = v.contiguous()
+            return (*(next(grads) if t.requires_grad else None for t in (g, v)), None)
+        contiguous = v if plan.v_contiguous else v.contiguous()
         grad_v = torch.empty_like(contiguous)
         grad_g = torch.empty(g.shape, dtype=g.dtype, device=g.device)
-        length, count, inner, row_contiguous, plan = _layout(v, dim)
-        if count:
-            split = plan.splits > 1
-            partials = _partials(count, plan, norms)
+        if plan.empty:
+            grad_g.zero_()
+        else:
             incoming = grad_w.contiguous()
-            sizes = (length, count, inner, plan.segment, plan.splits)
-            shared = {"acc": acc_dtype(v.dtype), "block": plan.block, "wide": plan.wide}
-            shared["row_is_contiguous"] = row_contiguous
-            grid = (count, plan.splits)
-            with on_device(v.device):
-                if split:
-                    _products[grid](incoming, contiguous, partials, *sizes, **shared)
-                _backward[grid](
+            gains = g if plan.g_contiguous else g.contiguous()
+            dots = squares = grad_v
+            if plan.split:
+                count, dtype = plan.partials
+                planes = torch.empty((2, count), dtype=dtype, device=v.device)
+                dots, squares = planes[0], planes[1]
+                _PRODUCTS(
+                    plan.backward_kernels[0],
+                    plan.grid,
+                    plan.device,
+                    (incoming, contiguous, squares),
                     incoming,
                     contiguous,
-                    g.contiguous(),
-                    norms,
-                    partials,
-                    grad_v,
-                    grad_g,
-                    *sizes,
-                    bits(eps),
-                    **shared,
-                    split=split,
-                    partials_block=plan.partials_block,
+                    dots,
+                    squares,
+                    *plan.sizes,
+                    *plan.first_constexprs,
                 )
+            _BACKWARD(
+                plan.backward_kernels[1],
+                plan.grid,
+                plan.device,
+                # The second plane of partial sums starts wherever the first one ends.
+                (incoming, contiguous, gains, squares),
+                incoming,
+                contiguous,
+                gains,
+                dots,
+                squares,
+                grad_v,
+                grad_g,
+                *plan.sizes,
+                plan.eps_bits,
+                *plan.constexprs,
+            )
         needs_g, needs_v = ctx.needs_input_grad[:2]
-        return grad_g if needs_g else None, grad_v if needs_v else None, None, None
+        return grad_g if needs_g else None, grad_v if needs_v else None, None
+
+
+_SQUARES = Kernel(_squares)
+_FORWARD = Kernel(_forward)
+_PRODUCTS = Kernel(_products)
+_BACKWARD = Kernel(_backward)
+_APPLY = function_apply(_WeightNorm)
 
 
 def _check(g: Tensor, v: Tensor, dim: int, eps: float) -> None:
     tl_dtype(v.dtype)
+    tl_dtype(g.dtype)
     if not -v.ndim <= dim < v.ndim:
         raise ValueError(
             f"dim must be in [{-v.ndim}, {v.ndim - 1}] for v of shape "
@@ -381,7 +479,8 @@ def weight_norm(g: Tensor, v: Tensor, dim: int, eps: float) -> Tensor:
 
     With ``eps == 0`` a zero row of ``v`` divides by 1 and gives a zero row (finite
     gradients). float16/bfloat16 are computed in float32 and rounded once. Differentiable in
-    ``g`` and ``v``; a double backward goes through autograd of the plain formula.
+    ``g`` and ``v``; a double backward goes through autograd of the plain formula. Forward
+    saves only g and v: backward recomputes the norms in the pass that reads v anyway.
 
     Args:
         g: the gains: ``v.ndim`` dimensions, all 1 except ``v.shape[dim]`` at ``dim``.
@@ -392,6 +491,5 @@ def weight_norm(g: Tensor, v: Tensor, dim: int, eps: float) -> Tensor:
     Returns:
         :math:`W`, contiguous, with ``v``'s shape and dtype.
     """
-    _check(g, v, dim, eps)
-    result: Tensor = _WeightNorm.apply(g, v, dim % v.ndim, float(eps))  # type: ignore[no-untyped-call]
+    result: Tensor = plan(g, v, dim, eps).apply(g, v)
     return result

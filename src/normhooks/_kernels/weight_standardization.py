@@ -18,6 +18,7 @@ the second combines a row's partial sums in a fixed order.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -26,20 +27,22 @@ import triton.language as tl
 from torch import Tensor
 
 from normhooks._kernels._common import (
-    RowPlan,
     acc_dtype,
     as_float,
     bits,
+    device_index,
     div,
     extent,
-    on_device,
+    remember,
     row_partials,
     row_plan,
     segment_bounds,
     sqrt,
     tl_dtype,
 )
+from normhooks._kernels._launch import Kernel
 from normhooks._precision import compute_dtype
+from normhooks._torch_compat import function_apply
 
 
 @triton.jit
@@ -126,13 +129,20 @@ def _moments(  # type: ignore[no-untyped-def]
     tl.store(squares + at, _centred_squares(x_row, x_stride, start, end, mean, acc, block))
 
 
-@triton.jit(do_not_specialize=["eps", "length"])
+@triton.jit
+def _scale(gain, row, factor, acc: tl.constexpr):  # type: ignore[no-untyped-def]
+    """A row's gain times ``factor``, rounded to the gain's dtype: what ``gain * factor`` in
+    torch gives (Scaled WS's ``gamma / sqrt(fan_in)``), in the compute dtype."""
+    scaled = tl.load(gain + row).to(acc) * as_float(factor, acc)
+    return scaled.to(gain.dtype.element_ty).to(acc)
+
+
+@triton.jit(do_not_specialize=["eps", "factor", "length"])
 def _forward(  # type: ignore[no-untyped-def]
     x,
     gain,
     y,
-    means,
-    rstds,
+    stats,
     sums,
     squares,
     length,
@@ -141,6 +151,7 @@ def _forward(  # type: ignore[no-untyped-def]
     x_row_stride,
     x_stride,
     eps,
+    factor,
     acc: tl.constexpr,
     block: tl.constexpr,
     has_gain: tl.constexpr,
@@ -169,27 +180,27 @@ def _forward(  # type: ignore[no-untyped-def]
         spread = _centred_squares(x_row, x_stride, start, end, mean, acc, block)
         variance = div(spread, length.to(acc), acc)
     rstd = div(1.0, sqrt(variance + as_float(eps, acc), acc), acc)
-    factor = rstd
+    times = rstd
     if has_gain:
-        factor = rstd * tl.load(gain + row).to(acc)
+        times = rstd * _scale(gain, row, factor, acc)
     first = start
     while first < end:
         k = first + tl.arange(0, block)
         mask = k < end
         centred = tl.load(x_row + k * x_stride, mask=mask, other=0.0).to(acc) - mean
-        tl.store(y + row * length + k, (centred * factor).to(y.dtype.element_ty), mask=mask)
+        tl.store(y + row * length + k, (centred * times).to(y.dtype.element_ty), mask=mask)
         first += block
+    # The means, then the reciprocal standard deviations: one [2, rows] buffer.
     first_part = tl.program_id(1) == 0
-    tl.store(means + row, mean, mask=first_part)
-    tl.store(rstds + row, rstd, mask=first_part)
+    tl.store(stats + row, mean, mask=first_part)
+    tl.store(stats + tl.num_programs(0) + row, rstd, mask=first_part)
 
 
 @triton.jit(do_not_specialize=["length"])
 def _sums(  # type: ignore[no-untyped-def]
     grad_y,
     x,
-    means,
-    rstds,
+    stats,
     incoming_sums,
     product_sums,
     length,
@@ -213,8 +224,8 @@ def _sums(  # type: ignore[no-untyped-def]
         dy_stride,
         start,
         end,
-        tl.load(means + row),
-        tl.load(rstds + row),
+        tl.load(stats + row),
+        tl.load(stats + tl.num_programs(0) + row),
         acc,
         block,
     )
@@ -223,13 +234,12 @@ def _sums(  # type: ignore[no-untyped-def]
     tl.store(product_sums + at, product)
 
 
-@triton.jit(do_not_specialize=["length"])
+@triton.jit(do_not_specialize=["factor", "length"])
 def _backward(  # type: ignore[no-untyped-def]
     grad_y,
     x,
     gain,
-    means,
-    rstds,
+    stats,
     incoming_sums,
     product_sums,
     grad_x,
@@ -241,6 +251,7 @@ def _backward(  # type: ignore[no-untyped-def]
     dy_stride,
     x_row_stride,
     x_stride,
+    factor,
     acc: tl.constexpr,
     block: tl.constexpr,
     has_gain: tl.constexpr,
@@ -251,8 +262,8 @@ def _backward(  # type: ignore[no-untyped-def]
     row = tl.program_id(0).to(tl.int64)
     x_row = x + row * x_row_stride
     dy_row = grad_y + row * dy_row_stride
-    mean = tl.load(means + row)
-    rstd = tl.load(rstds + row)
+    mean = tl.load(stats + row)
+    rstd = tl.load(stats + tl.num_programs(0) + row)
     start, end = segment_bounds(length, segment, wide)
     if split:
         incoming_sum = row_partials(incoming_sums, row, splits, partials_block)
@@ -261,11 +272,13 @@ def _backward(  # type: ignore[no-untyped-def]
         incoming_sum, product_sum = _gradient_sums(
             x_row, dy_row, x_stride, dy_stride, start, end, mean, rstd, acc, block
         )
-    factor = rstd
+    times = rstd
     if has_gain:
-        factor = rstd * tl.load(gain + row).to(acc)
-        grad = product_sum.to(grad_gain.dtype.element_ty)
-        tl.store(grad_gain + row, grad, mask=tl.program_id(1) == 0)
+        times = rstd * _scale(gain, row, factor, acc)
+        # d/d gain of gain * factor, as torch's autograd of that product computes it: the
+        # gradient of the scaled gain, rounded, times factor, rounded.
+        grad = product_sum.to(grad_gain.dtype.element_ty).to(acc) * as_float(factor, acc)
+        tl.store(grad_gain + row, grad.to(grad_gain.dtype.element_ty), mask=tl.program_id(1) == 0)
     incoming_mean = div(incoming_sum, length.to(acc), acc)
     product_mean = div(product_sum, length.to(acc), acc)
     first = start
@@ -274,159 +287,284 @@ def _backward(  # type: ignore[no-untyped-def]
         mask = k < end
         normalized = (tl.load(x_row + k * x_stride, mask=mask, other=0.0).to(acc) - mean) * rstd
         incoming = tl.load(dy_row + k * dy_stride, mask=mask, other=0.0).to(acc)
-        result = factor * (incoming - incoming_mean - normalized * product_mean)
+        result = times * (incoming - incoming_mean - normalized * product_mean)
         tl.store(grad_x + row * length + k, result.to(grad_x.dtype.element_ty), mask=mask)
         first += block
 
 
-def _plain(rows: Tensor, eps: float, gain: Tensor | None) -> Tensor:
+def _plain(rows: Tensor, eps: float, gain: Tensor | None, factor: float) -> Tensor:
     """The formula in differentiable torch ops, for a backward that must be differentiable."""
     exact = rows.to(compute_dtype(rows.dtype))
     mean = exact.mean(1, keepdim=True)
     variance = (exact - mean).square().mean(1, keepdim=True)
     result = (exact - mean) / torch.sqrt(variance + eps)
     if gain is not None:
-        result = result * gain.to(result.dtype).view(-1, 1)
+        result = result * (gain * factor).to(result.dtype).view(-1, 1)
     return result.to(rows.dtype)
 
 
-def _plan(rows: Tensor, *others: Tensor) -> RowPlan:
-    """How programs cover ``rows`` (and ``others`` of its shape, any strides) and the
-    contiguous result."""
-    count, length = rows.shape
-    reach = max(extent(tuple(t.shape), t.stride()) for t in (rows, *others))
-    return row_plan(count, length, max(reach, count * length))
+def _collapsed_stride(shape: tuple[int, ...], strides: tuple[int, ...]) -> int | None:
+    """The one stride that walks every axis of ``shape`` in row-major order, or None where
+    the axes cannot be walked with one (the tensor would have to be copied)."""
+    stride = None
+    expected = None
+    for size, step in zip(reversed(shape), reversed(strides), strict=True):
+        if size == 1:
+            continue
+        if expected is None:
+            stride, expected = step, step * size
+        elif step != expected:
+            return None
+        else:
+            expected = step * size
+    return 1 if stride is None else stride
 
 
-def _partials(count: int, plan: RowPlan, stand_in: Tensor) -> tuple[Tensor, Tensor]:
+class _Plan:
+    """What a tensor's launches need that its shape, strides, dtype, device and the settings
+    fix: computed once, after the checks, and found again by :func:`plan`. Row ``i`` is
+    ``x[i]``, flattened: where x cannot be read that way with two strides, it is copied."""
+
+    __slots__ = (
+        "acc",
+        "backward_kernels",
+        "constexprs",
+        "count",
+        "device",
+        "empty",
+        "eps",
+        "eps_bits",
+        "factor",
+        "factor_bits",
+        "first_constexprs",
+        "forward_kernels",
+        "gain_contiguous",
+        "grid",
+        "layout",
+        "length",
+        "sizes",
+        "split",
+        "strides",
+    )
+
+    def __init__(self, x: Tensor, eps: float, gain: Tensor | None, factor: float) -> None:
+        has_gain = gain is not None
+        self.gain_contiguous = gain is None or gain.is_contiguous()
+        count = x.shape[0]
+        length = math.prod(x.shape[1:])
+        self.count, self.length = count, length
+        self.empty = count * length == 0
+        stride = _collapsed_stride(tuple(x.shape[1:]), x.stride()[1:])
+        if stride is None:
+            self.strides = None
+            reach = count * length
+        else:
+            self.strides = (x.stride(0), stride)
+            reach = max(extent(tuple(x.shape), x.stride()), count * length)
+        plan = row_plan(count, length, reach)
+        self.layout = plan
+        self.split = plan.splits > 1
+        self.grid = (count, plan.splits)
+        self.sizes = (length, plan.segment, plan.splits)
+        self.eps, self.factor = eps, factor
+        self.eps_bits, self.factor_bits = bits(eps), bits(factor)
+        self.acc = compute_dtype(x.dtype)
+        acc = acc_dtype(x.dtype)
+        self.first_constexprs = (acc, plan.block, plan.wide)
+        self.constexprs = (acc, plan.block, has_gain, self.split, plan.partials_block, plan.wide)
+        self.device = device_index(x.device)
+        # The compiled kernels this plan launches, by the alignment of their pointers.
+        self.forward_kernels: tuple[dict[Any, Any], dict[Any, Any]] = ({}, {})
+        self.backward_kernels: tuple[dict[Any, Any], dict[Any, Any]] = ({}, {})
+
+    def apply(self, x: Tensor, gain: Tensor | None) -> Tensor:
+        """:func:`standardize_rows` of a tensor of this plan, on plain eager tensors."""
+        result: Tensor = _APPLY(x, gain, self)
+        return result
+
+    def rows(self, x: Tensor) -> tuple[Tensor, tuple[int, int]]:
+        """``x`` as the kernels read it, and its two strides."""
+        if self.strides is not None:
+            return x, self.strides
+        return x.reshape(self.count, self.length), (self.length, 1)
+
+
+_plans: dict[tuple[object, ...], _Plan] = {}
+
+
+def plan(x: Tensor, eps: float, gain: Tensor | None, factor: float) -> _Plan:
+    """The checked plan of ``x``, found by what determines it (never stale: a tensor that
+    changes shape, layout, dtype or device gets another key)."""
+    key: tuple[object, ...] = (x.shape, x.stride(), x.dtype, x.device, eps, factor)
+    if gain is not None:
+        key += (gain.shape, gain.stride(), gain.dtype, gain.device)
+    found = _plans.get(key)
+    if found is None:
+        _check(x, eps, gain)
+        found = _Plan(x, float(eps), gain, float(factor))
+        remember(_plans, key, found)
+    return found
+
+
+def _partials(count: int, plan: _Plan, stand_in: Tensor) -> tuple[Tensor, Tensor]:
     """Two planes of partial sums for split rows; ``stand_in`` (unread) when rows are whole."""
-    if plan.splits == 1:
+    if not plan.split:
         return stand_in, stand_in
-    planes = torch.empty((2, count, plan.splits), dtype=stand_in.dtype, device=stand_in.device)
+    planes = torch.empty((2, count, plan.grid[1]), dtype=plan.acc, device=stand_in.device)
     return planes[0], planes[1]
 
 
 class _Standardize(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, rows: Tensor, eps: float, gain: Tensor | None) -> Tensor:
-        ctx.eps = eps
-        count, length = rows.shape
-        acc = compute_dtype(rows.dtype)
-        result = torch.empty((count, length), dtype=rows.dtype, device=rows.device)
-        means = torch.empty(count, dtype=acc, device=rows.device)
-        rstds = torch.empty(count, dtype=acc, device=rows.device)
-        if rows.numel():
-            plan = _plan(rows)
-            split = plan.splits > 1
-            sums, squares = _partials(count, plan, means)
-            sizes = (length, plan.segment, plan.splits, rows.stride(0), rows.stride(1))
-            shared = {"acc": acc_dtype(rows.dtype), "block": plan.block, "wide": plan.wide}
-            grid = (count, plan.splits)
-            with on_device(rows.device):
-                if split:
-                    _moments[grid](rows, sums, squares, *sizes, **shared)
-                _forward[grid](
-                    rows,
-                    gain.contiguous() if gain is not None else rows,
-                    result,
-                    means,
-                    rstds,
-                    sums,
-                    squares,
-                    *sizes,
-                    bits(eps),
-                    **shared,
-                    has_gain=gain is not None,
-                    split=split,
-                    partials_block=plan.partials_block,
-                )
-        ctx.save_for_backward(rows, gain, means, rstds)
+    def forward(ctx: Any, x: Tensor, gain: Tensor | None, plan: _Plan) -> Tensor:
+        ctx.plan = plan
+        result = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        if plan.empty:
+            ctx.save_for_backward(x, gain, None)
+            return result
+        rows, strides = plan.rows(x)
+        stats = torch.empty(2 * plan.count, dtype=plan.acc, device=x.device)
+        ctx.save_for_backward(x, gain, stats)
+        gains = rows if gain is None else gain.contiguous()
+        sums, squares = _partials(plan.count, plan, stats)
+        if plan.split:
+            _MOMENTS(
+                plan.forward_kernels[0],
+                plan.grid,
+                plan.device,
+                (rows, squares),
+                rows,
+                sums,
+                squares,
+                *plan.sizes,
+                *strides,
+                *plan.first_constexprs,
+            )
+        _FORWARD(
+            plan.forward_kernels[1],
+            plan.grid,
+            plan.device,
+            # The second plane of partial sums starts wherever the first one ends.
+            (rows, gains, squares),
+            rows,
+            gains,
+            result,
+            stats,
+            sums,
+            squares,
+            *plan.sizes,
+            *strides,
+            plan.eps_bits,
+            plan.factor_bits,
+            *plan.constexprs,
+        )
         return result
 
     @staticmethod
     def backward(ctx: Any, grad_y: Tensor) -> tuple[Tensor | None, ...]:
-        rows, gain, means, rstds = ctx.saved_tensors
+        x, gain, stats = ctx.saved_tensors
+        plan: _Plan = ctx.plan
         if torch.is_grad_enabled():
             # create_graph: the kernel's backward is not itself differentiable, so recompute
             # through the plain formula, whose graph is (the saved inputs keep their history).
-            inputs = [t for t in (rows, gain) if t is not None and t.requires_grad]
-            grads = iter(
-                torch.autograd.grad(_plain(rows, ctx.eps, gain), inputs, grad_y, create_graph=True)
-            )
-            grad_rows = next(grads) if rows.requires_grad else None
+            inputs = [t for t in (x, gain) if t is not None and t.requires_grad]
+            rows = x.reshape(plan.count, plan.length)
+            result = _plain(rows, plan.eps, gain, plan.factor).reshape(x.shape)
+            grads = iter(torch.autograd.grad(result, inputs, grad_y, create_graph=True))
+            grad_x = next(grads) if x.requires_grad else None
             grad_gain = next(grads) if gain is not None and gain.requires_grad else None
-            return grad_rows, None, grad_gain
-        count, length = rows.shape
-        grad_rows = torch.empty((count, length), dtype=rows.dtype, device=rows.device)
+            return grad_x, grad_gain, None
+        grad_x = torch.empty(x.shape, dtype=x.dtype, device=x.device)
         grad_gain = None
         if gain is not None:
-            grad_gain = torch.zeros(gain.shape, dtype=gain.dtype, device=gain.device)
-        if rows.numel():
-            plan = _plan(rows, grad_y)
-            split = plan.splits > 1
-            incoming_sums, product_sums = _partials(count, plan, means)
-            sizes = (length, plan.segment, plan.splits)
-            strides = (grad_y.stride(0), grad_y.stride(1), rows.stride(0), rows.stride(1))
-            shared = {"acc": acc_dtype(rows.dtype), "block": plan.block, "wide": plan.wide}
-            grid = (count, plan.splits)
-            with on_device(rows.device):
-                if split:
-                    _sums[grid](
-                        grad_y,
-                        rows,
-                        means,
-                        rstds,
-                        incoming_sums,
-                        product_sums,
-                        *sizes,
-                        *strides,
-                        **shared,
-                    )
-                _backward[grid](
-                    grad_y,
+            grad_gain = torch.empty(gain.shape, dtype=gain.dtype, device=gain.device)
+            if plan.empty:
+                grad_gain.zero_()
+        if not plan.empty:
+            rows, (row_stride, stride) = plan.rows(x)
+            incoming = grad_y.contiguous()
+            incoming_sums, product_sums = _partials(plan.count, plan, stats)
+            strides = (plan.length, 1, row_stride, stride)
+            gains = rows if gain is None else gain.contiguous()
+            if plan.split:
+                _SUMS(
+                    plan.backward_kernels[0],
+                    plan.grid,
+                    plan.device,
+                    (incoming, rows, stats, product_sums),
+                    incoming,
                     rows,
-                    gain.contiguous() if gain is not None else rows,
-                    means,
-                    rstds,
+                    stats,
                     incoming_sums,
                     product_sums,
-                    grad_rows,
-                    grad_gain if grad_gain is not None else rows,
-                    *sizes,
+                    *plan.sizes,
                     *strides,
-                    **shared,
-                    has_gain=gain is not None,
-                    split=split,
-                    partials_block=plan.partials_block,
+                    *plan.first_constexprs,
                 )
-        needs_rows, _, needs_gain = ctx.needs_input_grad
-        return grad_rows if needs_rows else None, None, grad_gain if needs_gain else None
+            _BACKWARD(
+                plan.backward_kernels[1],
+                plan.grid,
+                plan.device,
+                (incoming, rows, gains, stats, product_sums),
+                incoming,
+                rows,
+                gains,
+                stats,
+                incoming_sums,
+                product_sums,
+                grad_x,
+                grad_gain if grad_gain is not None else rows,
+                *plan.sizes,
+                *strides,
+                plan.factor_bits,
+                *plan.constexprs,
+            )
+        needs_x, needs_gain = ctx.needs_input_grad[:2]
+        return grad_x if needs_x else None, grad_gain if needs_gain else None, None
 
 
-def standardize_rows(rows: Tensor, eps: float, gain: Tensor | None = None) -> Tensor:
-    r"""``(x - mean) / sqrt(var + eps)`` per row (biased variance), times ``gain`` per row.
+_MOMENTS = Kernel(_moments)
+_FORWARD = Kernel(_forward)
+_SUMS = Kernel(_sums)
+_BACKWARD = Kernel(_backward)
+_APPLY = function_apply(_Standardize)
 
-    One kernel forward and one backward (two each for few long rows); float16/bfloat16 are
-    computed in float32 and rounded once; any strides. A double backward goes through
-    autograd of the plain formula.
 
-    Args:
-        rows: the ``[R, N]`` matrix of weight slices.
-        eps: added to the variance inside the square root.
-        gain: optional ``[R]`` factor per row.
-
-    Returns:
-        The standardized ``[R, N]`` matrix, contiguous, in ``rows``' dtype.
-    """
-    tl_dtype(rows.dtype)
-    if rows.ndim != 2:
-        raise ValueError(f"rows must be a 2-D matrix, got shape {list(rows.shape)}")
-    if gain is not None and (gain.shape != (rows.shape[0],) or gain.device != rows.device):
-        raise ValueError(
-            f"gain must have shape [{rows.shape[0]}] on {rows.device}, got "
-            f"{list(gain.shape)} on {gain.device}"
-        )
+def _check(x: Tensor, eps: float, gain: Tensor | None) -> None:
+    tl_dtype(x.dtype)
+    if x.ndim < 2:
+        raise ValueError(f"rows must have at least 2 dimensions, got shape {list(x.shape)}")
+    if gain is not None:
+        tl_dtype(gain.dtype)
+        if gain.shape != (x.shape[0],) or gain.device != x.device:
+            raise ValueError(
+                f"gain must have shape [{x.shape[0]}] on {x.device}, got "
+                f"{list(gain.shape)} on {gain.device}"
+            )
     if not eps >= 0:
         raise ValueError(f"eps must be non-negative, got eps={eps}")
-    result: Tensor = _Standardize.apply(rows, float(eps), gain)  # type: ignore[no-untyped-call]
+
+
+def standardize_rows(
+    rows: Tensor, eps: float, gain: Tensor | None = None, factor: float = 1.0
+) -> Tensor:
+    r"""``(x - mean) / sqrt(var + eps)`` per row (biased variance), times ``gain * factor``
+    per row, row ``i`` being ``rows[i]`` flattened.
+
+    One kernel forward and one backward (two each for few long rows); float16/bfloat16 are
+    computed in float32 and rounded once; any strides (a tensor whose rows cannot be read
+    with two strides is copied once each way). ``gain * factor`` is rounded to the gain's
+    dtype, as torch's product would be (Scaled WS's ``gamma / sqrt(fan_in)``). A double
+    backward goes through autograd of the plain formula.
+
+    Args:
+        rows: ``[R, ...]``: a weight whose first axis indexes the standardized slices.
+        eps: added to the variance inside the square root.
+        gain: optional ``[R]`` factor per row.
+        factor: multiplies ``gain``.
+
+    Returns:
+        The standardized tensor, contiguous, in ``rows``' shape and dtype.
+    """
+    result: Tensor = plan(rows, eps, gain, factor).apply(rows, gain)
     return result
