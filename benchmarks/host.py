@@ -61,6 +61,8 @@ from normhooks import (
     AdaptiveGradientClipping,
     GradientLARS,
     TrustRatio,
+    apply_weight_norm,
+    apply_weight_standardization,
     weight_norm,
     weight_standardization,
 )
@@ -109,11 +111,15 @@ def model_candidates(width: int) -> dict[str, Candidate]:
     models = {
         "plain": plain,
         "plain, a second copy (noise)": copy.deepcopy(plain),
+        "normhooks apply_weight_norm (fused)": apply_weight_norm(copy.deepcopy(plain)),
         "normhooks weight_norm per layer (kernel path)": on_every_matrix(
             weight_norm, copy.deepcopy(plain)
         ),
         "torch parametrizations.weight_norm": on_every_matrix(
             torch_weight_norm, copy.deepcopy(plain)
+        ),
+        "normhooks apply_weight_standardization (fused)": apply_weight_standardization(
+            copy.deepcopy(plain)
         ),
         "normhooks WS per layer (kernel path)": on_every_conv(
             weight_standardization, copy.deepcopy(plain)

@@ -247,10 +247,32 @@ def ones_kernels() -> None:
             build(kernel.fn, types, constants, ones=ones)
 
 
+def fused_kernels() -> None:
+    """The kernels that compute many layers in one launch, in every dtype: their tensors are
+    found through int64 tables, and every offset is 64-bit."""
+    tables = {"layers": "*i64", "row_layers": "*i64", "grads": "*i64"}
+    for dtype in DTYPES:
+        value = "*" + dtype
+        a = "*fp64" if dtype == "fp64" else "*fp32"
+        constants = {"dtype": DTYPES[dtype], "acc": accumulator(dtype), "block": 1024}
+        constants["fields"] = 8
+        kernels = [
+            (wn._fused_forward, {"w": value}),
+            (wn._fused_backward, {"grad_v": value, "grad_g": value}),
+            (ws._fused_forward, {"y": value, "stats": a}),
+            (ws._fused_backward, {"stats": a, "grad_x": value, "grad_gain": value}),
+        ]
+        for fn, pointers in kernels:
+            types = {name: tables[name] for name in fn.arg_names if name in tables}
+            compiled = build(fn, types | pointers, constants)
+            check_wide(compiled, f"{fn.__module__}.{fn.__name__} ({dtype})")
+
+
 def main() -> None:
     lars_kernels()
     row_kernels()
     ones_kernels()
+    fused_kernels()
 
 
 if __name__ == "__main__":

@@ -218,6 +218,13 @@ def plain_eager(*tensors: Tensor) -> bool:
     )
 
 
+def saved_tensors_hooked() -> bool:
+    """Whether saved-tensor hooks are active (``torch.autograd.graph.saved_tensors_hooks``:
+    non-reentrant activation checkpointing, ``save_on_cpu``), read through
+    ``torch._C._autograd._top_saved_tensors_default_hooks`` (2.13)."""
+    return torch._C._autograd._top_saved_tensors_default_hooks(True) is not None
+
+
 def function_apply(function: type[torch.autograd.Function]) -> Callable[..., Any]:
     """``function.apply`` without the Python layer ``torch.autograd.Function.apply`` adds over
     ``torch._C._FunctionBase.apply`` (2.13): that layer binds default arguments for a Function

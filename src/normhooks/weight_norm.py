@@ -25,7 +25,7 @@ from torch import Tensor, nn
 from torch.nn.utils import parametrize
 from torch.utils.hooks import RemovableHandle
 
-from normhooks import _checks, _kernels, _parametrize, _torch_compat
+from normhooks import _checks, _fusion, _kernels, _parametrize, _torch_compat
 from normhooks._parametrize import Undo, describe, layer_name
 from normhooks._precision import HALF_DTYPES
 from normhooks._torch_compat import ConvNd
@@ -162,15 +162,30 @@ class _WeightNormFunction(torch.autograd.Function):
 
 
 class _Route:
-    """Where a layer's weight is computed: the axis of v after the checks, and the kernels'
-    plan, made at the first forward that runs them."""
+    """Where a layer's weight is computed: the axis of v after the checks, the kernels'
+    plan (made at the first forward that runs them), and the fused launch it can join (found
+    at the first fused scope that meets it; False where it can join none)."""
 
-    __slots__ = ("dim", "plan")
+    __slots__ = ("dim", "group", "plan")
 
     def __init__(self, dim: int | None) -> None:
         self.dim = dim
         self.plan: object = None
+        self.group: tuple[object, ...] | bool | None = None
 
+
+# What a parametrization hands a fused launch (see WeightNorm._fusion_inputs): the group it
+# joins, its kernel plan, its tensors, and (dict, key, tensor, version) for each of them.
+FusionInputs = tuple[
+    tuple[object, ...],
+    object,
+    tuple[Tensor | None, ...],
+    tuple[tuple[dict[str, Any], str, Tensor, int], ...],
+]
+
+# The device types whose tensors the kernels take (the CPU's only inside
+# _kernels.route_cpu_tensors()).
+_KERNEL_DEVICES = ("cuda", "cpu")
 
 # WeightNorm's routes, by what they depend on (see WeightNorm._route).
 _ROUTES: dict[tuple[object, ...], _Route] = {}
@@ -256,6 +271,37 @@ class WeightNorm(nn.Module):
                 _ROUTES.clear()
             _ROUTES[key] = route
         return route
+
+    def _fusion_inputs(self, chain: nn.Module) -> FusionInputs | None:
+        """What a fused launch (:mod:`normhooks._fusion`) needs to compute this weight with
+        others, or None where the layer keeps its own path now."""
+        originals = chain._parameters
+        g, v = originals.get("original0"), originals.get("original1")
+        if g is None or v is None or self.dim is None:
+            return None
+        route = self._route(g, v)
+        group = route.group
+        if group is None:
+            group = route.group = self._fusion_group(g, v, route)
+        if group is False or not _kernels.on_device(g, v):
+            return None
+        checks = ((originals, "original0", g, g._version), (originals, "original1", v, v._version))
+        return group, route.plan, (g, v), checks  # type: ignore[return-value]
+
+    def _fusion_group(self, g: Tensor, v: Tensor, route: _Route) -> tuple[object, ...] | bool:
+        """The fused launch a layer of ``route`` joins (where its tensors are on a device the
+        kernels take), or False where it can join none."""
+        # Where the kernels may take it: whether they do depends on the device's type, and
+        # for the CPU on the private routing switch, checked at each scope.
+        if route.dim is None or g.dtype != v.dtype or g.device != v.device:
+            return False
+        if v.device.type not in _KERNEL_DEVICES:
+            return False
+        if route.plan is None:
+            route.plan = _kernels.weight_norm_plan(g, v, route.dim, self.eps)
+        if not _kernels.weight_norm_fusable(route.plan):
+            return False
+        return ("fuse_weight_norms", v.device, v.dtype)
 
     def _check(self, g: Tensor, v: Tensor) -> int | None:
         _parametrize.check_tensor(v, "v", _WHAT)
@@ -793,7 +839,7 @@ def apply_weight_norm(
             "types are not in layer_types; add them to take it over",
             stacklevel=2,
         )
-    return model
+    return _fusion.fuse(model)
 
 
 def convert_with_weight_normalization(module_cls: Callable[..., M], *args: Any, **kwargs: Any) -> M:

@@ -13,12 +13,13 @@ import functools
 import math
 import warnings
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 from torch.nn.utils import parametrize
 
-from normhooks import _checks, _kernels, _parametrize, _torch_compat
+from normhooks import _checks, _fusion, _kernels, _parametrize, _torch_compat
 from normhooks._parametrize import describe, output_axis
 from normhooks._precision import upcast
 from normhooks._torch_compat import ConvNd
@@ -195,13 +196,29 @@ class _Route:
     Scaled WS's ``gamma / sqrt(fan_in)``, and the kernels' plan, made at the first forward
     that runs them."""
 
-    __slots__ = ("dim", "factor", "plan")
+    __slots__ = ("dim", "factor", "group", "plan")
 
     def __init__(self, dim: int, factor: float | None = None) -> None:
         self.dim = dim
         self.factor = factor
         self.plan: object = None
+        # The fused launch it can join, found at the first fused scope that meets it; False
+        # where it can join none.
+        self.group: tuple[object, ...] | bool | None = None
 
+
+# What a parametrization hands a fused launch (see WeightStandardization._fusion_inputs): the
+# group it joins, its kernel plan, its tensors, and (dict, key, tensor, version) for each.
+FusionInputs = tuple[
+    tuple[object, ...],
+    object,
+    tuple[Tensor | None, ...],
+    tuple[tuple[dict[str, Any], str, Tensor, int], ...],
+]
+
+# The device types whose tensors the kernels take (the CPU's only inside
+# _kernels.route_cpu_tensors()).
+_KERNEL_DEVICES = ("cuda", "cpu")
 
 # The parametrizations' routes, by what they depend on (see WeightStandardization._route).
 _ROUTES: dict[tuple[object, ...], _Route] = {}
@@ -272,6 +289,49 @@ class WeightStandardization(nn.Module):
 
     def _gamma(self) -> float:
         return 1.0
+
+    def _gain(self) -> Tensor | None:
+        return None
+
+    def _fusion_inputs(self, chain: nn.Module) -> FusionInputs | None:
+        """What a fused launch (:mod:`normhooks._fusion`) needs to compute this weight with
+        others, or None where the layer keeps its own path now."""
+        originals = chain._parameters
+        weight = originals.get("original")
+        if weight is None or self.groups != 1:
+            return None
+        gain = self._gain()
+        route = self._route(weight, gain)
+        group = route.group
+        if group is None:
+            group = route.group = self._fusion_group(weight, gain, route)
+        if group is False:
+            return None
+        if not (_kernels.on_device(weight) if gain is None else _kernels.on_device(weight, gain)):
+            return None
+        checks: tuple[tuple[dict[str, Any], str, Tensor, int], ...]
+        checks = ((originals, "original", weight, weight._version),)
+        if gain is not None:
+            checks += ((self._parameters, "gain", gain, gain._version),)
+        return group, route.plan, (weight, gain), checks  # type: ignore[return-value]
+
+    def _fusion_group(
+        self, weight: Tensor, gain: Tensor | None, route: _Route
+    ) -> tuple[object, ...] | bool:
+        """The fused launch a weight of ``route`` joins (where its tensors are on a device
+        the kernels take), or False where it can join none."""
+        if route.dim != 0 or not weight.numel() or weight.device.type not in _KERNEL_DEVICES:
+            return False
+        # Whether the kernels take the device depends, for the CPU, on the private routing
+        # switch, checked at each scope.
+        if gain is not None and (gain.dtype != weight.dtype or gain.device != weight.device):
+            return False
+        if route.plan is None:
+            scale = 1.0 if route.factor is None else route.factor
+            route.plan = _kernels.standardization_plan(weight, self.eps, gain, scale)
+        if not _kernels.standardization_fusable(route.plan):
+            return False
+        return ("fuse_standardizations", weight.device, weight.dtype)
 
     def _new_route(self, weight: Tensor, gain: Tensor | None) -> _Route:
         _parametrize.check_tensor(weight, "weight", _WHAT)
@@ -350,6 +410,9 @@ class ScaledWeightStandardization(WeightStandardization):
 
     def _gamma(self) -> float:
         return self.gamma
+
+    def _gain(self) -> Tensor | None:
+        return self._parameters.get("gain")
 
     def forward(self, weight: Tensor) -> Tensor:
         gain = self.gain
@@ -642,7 +705,7 @@ def apply_weight_standardization(
             "would only repeat it",
             stacklevel=2,
         )
-    return model
+    return _fusion.fuse(model)
 
 
 def remove_weight_standardization(

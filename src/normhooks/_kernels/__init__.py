@@ -42,6 +42,24 @@ def available(*tensors: Tensor) -> bool:
     return _torch_compat.plain_eager(*tensors) and _triton_importable()
 
 
+def on_device(*tensors: Tensor) -> bool:
+    """Whether ``tensors`` are plain tensors on a device the kernels take (CUDA, or the CPU
+    inside :func:`route_cpu_tensors`); :func:`may_launch` says whether they may run now."""
+    for tensor in tensors:
+        if not (
+            _torch_compat.plain_tensors(tensor)
+            and (tensor.is_cuda or (_route_cpu and tensor.is_cpu))
+        ):
+            return False
+    return True
+
+
+def may_launch() -> bool:
+    """Whether kernels may run now: Triton importable, not compiling, tracing, exporting, in
+    a ``torch.func`` transform or under a dispatch mode."""
+    return _torch_compat.plain_eager() and _triton_importable()
+
+
 @contextlib.contextmanager
 def route_cpu_tensors() -> Iterator[None]:
     """Within the block, plain CPU tensors go to the kernels as CUDA tensors do (private).
@@ -145,3 +163,37 @@ def planned_standardization(rows: Tensor, gain: Tensor | None, plan: Any) -> Ten
     plain eager tensors that :func:`available` accepts."""
     result: Tensor = plan.apply(rows, gain)
     return result
+
+
+def weight_norm_fusable(plan: Any) -> bool:
+    """See :func:`normhooks._kernels.weight_norm.fusable`."""
+    fusable: bool = _weight_norm().fusable(plan)
+    return fusable
+
+
+def fuse_weight_norms(plans: tuple[Any, ...], tensors: list[Tensor]) -> tuple[Tensor, ...]:
+    """The weights of layers of :func:`weight_norm_fusable` ``plans`` (one device and dtype)
+    from their ``g0, v0, g1, v1, ...``, in one launch each way."""
+    module = _weight_norm()
+    weights: tuple[Tensor, ...] = module.fused_weight_norms(
+        module.fused_plan(plans, tensors), tensors
+    )
+    return weights
+
+
+def standardization_fusable(plan: Any) -> bool:
+    """See :func:`normhooks._kernels.weight_standardization.fusable`."""
+    fusable: bool = _weight_standardization().fusable(plan)
+    return fusable
+
+
+def fuse_standardizations(
+    plans: tuple[Any, ...], tensors: list[Tensor | None]
+) -> tuple[Tensor, ...]:
+    """The standardized weights of :func:`standardization_fusable` ``plans`` (one device and
+    dtype) from their ``x0, gain0, x1, gain1, ...``, in one launch each way."""
+    module = _weight_standardization()
+    results: tuple[Tensor, ...] = module.fused_standardizations(
+        module.fused_plan(plans, tensors), tensors
+    )
+    return results

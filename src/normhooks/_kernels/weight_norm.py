@@ -19,6 +19,8 @@ row's partial sums in a fixed order.
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -27,10 +29,12 @@ import triton.language as tl
 from torch import Tensor
 
 from normhooks._kernels._common import (
+    DeviceTable,
     RowPlan,
     acc_dtype,
     as_float,
     bits,
+    current_stream,
     device_index,
     div,
     remember,
@@ -259,6 +263,173 @@ def _backward(  # type: ignore[no-untyped-def]
         first += block
 
 
+@triton.jit
+def _write_scaled(  # type: ignore[no-untyped-def]
+    v,
+    w,
+    row,
+    start,
+    end,
+    count,
+    inner,
+    scale,
+    acc: tl.constexpr,
+    block: tl.constexpr,
+    row_is_contiguous: tl.constexpr,
+):
+    """``w = v * scale`` over the row's values ``[start, end)`` (64-bit offsets)."""
+    first = start
+    while first < end:
+        k = first + tl.arange(0, block)
+        mask = k < end
+        offsets = _offsets(row, k, count, inner, row_is_contiguous, True)
+        values = tl.load(v + offsets, mask=mask, other=0.0).to(acc)
+        tl.store(w + offsets, (values * scale).to(w.dtype.element_ty), mask=mask)
+        first += block
+
+
+@triton.jit
+def _write_gradient(  # type: ignore[no-untyped-def]
+    grad_w,
+    v,
+    grad_v,
+    row,
+    start,
+    end,
+    count,
+    inner,
+    scale,
+    coefficient,
+    acc: tl.constexpr,
+    block: tl.constexpr,
+    row_is_contiguous: tl.constexpr,
+):
+    """``grad_v = W' scale + v coefficient`` over the row's values (64-bit offsets)."""
+    first = start
+    while first < end:
+        k = first + tl.arange(0, block)
+        mask = k < end
+        offsets = _offsets(row, k, count, inner, row_is_contiguous, True)
+        values = tl.load(v + offsets, mask=mask, other=0.0).to(acc)
+        incoming = tl.load(grad_w + offsets, mask=mask, other=0.0).to(acc)
+        result = incoming * scale + values * coefficient
+        tl.store(grad_v + offsets, result.to(grad_v.dtype.element_ty), mask=mask)
+        first += block
+
+
+@triton.jit
+def _fused_forward(  # type: ignore[no-untyped-def]
+    layers,
+    row_layers,
+    w,
+    dtype: tl.constexpr,
+    acc: tl.constexpr,
+    block: tl.constexpr,
+    fields: tl.constexpr,
+):
+    """Every row of every layer of a fused plan, one program each: a layer's entry in
+    ``layers`` holds the addresses of its v and g, its sizes, where its weight starts in the
+    flat ``w``, its first row's index among all rows, and ``eps``'s bits."""
+    index = tl.program_id(0).to(tl.int64)
+    entry = layers + tl.load(row_layers + index) * fields
+    v = tl.load(entry).to(tl.pointer_type(dtype))
+    g = tl.load(entry + 1).to(tl.pointer_type(dtype))
+    length = tl.load(entry + 2)
+    count = tl.load(entry + 3)
+    inner = tl.load(entry + 4)
+    out = w + tl.load(entry + 5)
+    row = index - tl.load(entry + 6)
+    eps = tl.load(entry + 7)
+    start = length * 0
+    if length == inner:
+        squares = _sum_of_squares(v, row, start, length, count, inner, acc, block, True, True)
+    else:
+        squares = _sum_of_squares(v, row, start, length, count, inner, acc, block, False, True)
+    scale = div(tl.load(g + row).to(acc), _denominator(sqrt(squares, acc), eps, acc), acc)
+    if length == inner:
+        _write_scaled(v, out, row, start, length, count, inner, scale, acc, block, True)
+    else:
+        _write_scaled(v, out, row, start, length, count, inner, scale, acc, block, False)
+
+
+@triton.jit
+def _fused_backward(  # type: ignore[no-untyped-def]
+    layers,
+    row_layers,
+    grads,
+    grad_v,
+    grad_g,
+    dtype: tl.constexpr,
+    acc: tl.constexpr,
+    block: tl.constexpr,
+    fields: tl.constexpr,
+):
+    """Backward of :func:`_fused_forward`: ``grads`` holds the address of each layer's
+    incoming gradient, 0 for a weight that got none (its rows write nothing)."""
+    index = tl.program_id(0).to(tl.int64)
+    layer = tl.load(row_layers + index)
+    address = tl.load(grads + layer)
+    if address != 0:
+        grad_w = address.to(tl.pointer_type(dtype))
+        entry = layers + layer * fields
+        v = tl.load(entry).to(tl.pointer_type(dtype))
+        g = tl.load(entry + 1).to(tl.pointer_type(dtype))
+        length = tl.load(entry + 2)
+        count = tl.load(entry + 3)
+        inner = tl.load(entry + 4)
+        at = tl.load(entry + 5)
+        row = index - tl.load(entry + 6)
+        eps = tl.load(entry + 7)
+        start = length * 0
+        if length == inner:
+            dot, square = _sums_of_products(
+                grad_w, v, row, start, length, count, inner, acc, block, True, True
+            )
+        else:
+            dot, square = _sums_of_products(
+                grad_w, v, row, start, length, count, inner, acc, block, False, True
+            )
+        norm = sqrt(square, acc)
+        denominator = _denominator(norm, eps, acc)
+        safe_norm = tl.where(norm > 0.0, norm, 1.0).to(acc)
+        scale = div(tl.load(g + row).to(acc), denominator, acc)
+        coefficient = -div(scale * dot, denominator * safe_norm, acc)
+        tl.store(grad_g + index, div(dot, denominator, acc).to(grad_g.dtype.element_ty))
+        out = grad_v + at
+        if length == inner:
+            _write_gradient(
+                grad_w,
+                v,
+                out,
+                row,
+                start,
+                length,
+                count,
+                inner,
+                scale,
+                coefficient,
+                acc,
+                block,
+                True,
+            )
+        else:
+            _write_gradient(
+                grad_w,
+                v,
+                out,
+                row,
+                start,
+                length,
+                count,
+                inner,
+                scale,
+                coefficient,
+                acc,
+                block,
+                False,
+            )
+
+
 class _Layout(NamedTuple):
     """Contiguous ``v`` viewed as ``[A, C, B]``, and how programs cover its ``C`` rows."""
 
@@ -451,6 +622,168 @@ _FORWARD = Kernel(_forward)
 _PRODUCTS = Kernel(_products)
 _BACKWARD = Kernel(_backward)
 _APPLY = function_apply(_WeightNorm)
+
+
+# --- one launch each way for many layers ----------------------------------------------------
+
+# A fused plan's entry per layer: v's and g's addresses, length, count, inner, where the
+# layer's weight starts in the flat output, its first row's index among all rows, eps's bits.
+_FIELDS = 8
+# Fused plans kept (each holds a table on the device), and tables of incoming-gradient
+# addresses per plan: a training loop meets one set each way, the allocator reusing the
+# same blocks step after step.
+_MAX_FUSED = 32
+_MAX_GRADIENT_TABLES = 8
+
+
+def fusable(plan: _Plan) -> bool:
+    """Whether a layer of ``plan`` can go in a fused launch: whole rows (few long rows keep
+    their own two launches), contiguous g and v, at least one value."""
+    return not (plan.split or plan.empty) and plan.v_contiguous and plan.g_contiguous
+
+
+class FusedPlan:
+    """Layers of one device and dtype whose weights are computed in one launch, and their
+    gradients in one: their table on the device, where each weight lies in the flat output,
+    and the tables of incoming-gradient addresses met so far.
+
+    Its content is a function of the key it is cached under (the layers' plans and their
+    g's and v's addresses), so it is never stale.
+    """
+
+    def __init__(self, plans: tuple[_Plan, ...], tensors: Sequence[Tensor]) -> None:
+        entries: list[int] = []
+        row_layers: list[int] = []
+        self.weights: list[tuple[tuple[int, ...], tuple[int, ...], int]] = []
+        self.gains: list[tuple[tuple[int, ...], tuple[int, ...], int]] = []
+        numel = rows = block = 0
+        for layer, plan in enumerate(plans):
+            g, v = tensors[2 * layer], tensors[2 * layer + 1]
+            length, count, inner = plan.sizes[:3]
+            entries += [v.data_ptr(), g.data_ptr(), length, count, inner, numel, rows]
+            entries.append(plan.eps_bits)
+            row_layers += [layer] * count
+            self.weights.append((tuple(v.shape), v.stride(), numel))
+            self.gains.append((tuple(g.shape), g.stride(), rows))
+            numel += length * count
+            rows += count
+            block = max(block, plan.constexprs[1])
+        v = tensors[1]
+        self.dtype, self.device = v.dtype, v.device
+        self.device_index = device_index(v.device)
+        self.numel, self.rows = numel, rows
+        self.table = DeviceTable([entries, row_layers], v.device)
+        self.layers, self.row_layers = self.table.parts
+        self.constexprs = (tl_dtype(v.dtype), acc_dtype(v.dtype), block, _FIELDS)
+        self.plans = plans
+        self.forward_kernels: dict[Any, Any] = {}
+        self.backward_kernels: dict[Any, Any] = {}
+        self.gradient_tables: OrderedDict[tuple[int, ...], DeviceTable] = OrderedDict()
+
+    def gradient_table(self, addresses: tuple[int, ...]) -> Tensor:
+        table = self.gradient_tables.get(addresses)
+        if table is None:
+            table = DeviceTable([addresses], self.device)
+            self.gradient_tables[addresses] = table
+            if len(self.gradient_tables) > _MAX_GRADIENT_TABLES:
+                self.gradient_tables.popitem(last=False)
+        table.use_on(current_stream(self.device))
+        return table.storage
+
+
+_fused_plans: OrderedDict[tuple[object, ...], FusedPlan] = OrderedDict()
+
+
+def fused_plan(plans: tuple[_Plan, ...], tensors: Sequence[Tensor]) -> FusedPlan:
+    """The fused plan of layers of :func:`fusable` ``plans`` (one device and dtype), whose
+    ``tensors`` are ``g0, v0, g1, v1, ...``."""
+    key = (plans, tuple([t.data_ptr() for t in tensors]))
+    found = _fused_plans.get(key)
+    if found is None:
+        found = FusedPlan(plans, tensors)
+        _fused_plans[key] = found
+        if len(_fused_plans) > _MAX_FUSED:
+            _fused_plans.popitem(last=False)
+    return found
+
+
+class _FusedWeightNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, plan: FusedPlan, *tensors: Tensor) -> tuple[Tensor, ...]:
+        # An output that no layer used gets no gradient: None, not zeros, so its g and v get
+        # none either, exactly as without fusion.
+        ctx.set_materialize_grads(False)
+        ctx.plan = plan
+        ctx.save_for_backward(*tensors)
+        weight = torch.empty(plan.numel, dtype=plan.dtype, device=plan.device)
+        plan.table.use_on(current_stream(plan.device))
+        _FUSED_FORWARD(
+            plan.forward_kernels,
+            (plan.rows, 1),
+            plan.device_index,
+            (plan.row_layers,),
+            plan.layers,
+            plan.row_layers,
+            weight,
+            *plan.constexprs,
+        )
+        return tuple([weight.as_strided(*view) for view in plan.weights])
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Tensor | None) -> tuple[Tensor | None, ...]:
+        tensors = ctx.saved_tensors
+        plan: FusedPlan = ctx.plan
+        needs = ctx.needs_input_grad
+        result: list[Tensor | None] = [None]
+        if torch.is_grad_enabled():
+            # create_graph: through the plain formula, layer by layer (see _WeightNorm).
+            for layer, grad in enumerate(grads):
+                g, v = tensors[2 * layer], tensors[2 * layer + 1]
+                wanted = [t for t in (g, v) if t.requires_grad] if grad is not None else []
+                if not wanted:
+                    result += [None, None]
+                    continue
+                layer_plan = plan.plans[layer]
+                weight = plain_weight_norm(g, v, layer_plan.dim, layer_plan.eps)
+                found = iter(torch.autograd.grad(weight, wanted, grad, create_graph=True))
+                result += [next(found) if t.requires_grad else None for t in (g, v)]
+            return tuple(result)
+        incoming = [None if grad is None else grad.contiguous() for grad in grads]
+        addresses = tuple([0 if grad is None else grad.data_ptr() for grad in incoming])
+        grad_v = torch.empty(plan.numel, dtype=plan.dtype, device=plan.device)
+        grad_g = torch.empty(plan.rows, dtype=plan.dtype, device=plan.device)
+        _FUSED_BACKWARD(
+            plan.backward_kernels,
+            (plan.rows, 1),
+            plan.device_index,
+            (plan.row_layers,),
+            plan.layers,
+            plan.row_layers,
+            plan.gradient_table(addresses),
+            grad_v,
+            grad_g,
+            *plan.constexprs,
+        )
+        for layer, grad in enumerate(grads):
+            if grad is None:
+                result += [None, None]
+                continue
+            at = 2 * layer + 1
+            result.append(grad_g.as_strided(*plan.gains[layer]) if needs[at] else None)
+            result.append(grad_v.as_strided(*plan.weights[layer]) if needs[at + 1] else None)
+        return tuple(result)
+
+
+_FUSED_FORWARD = Kernel(_fused_forward)
+_FUSED_BACKWARD = Kernel(_fused_backward)
+_FUSED_APPLY = function_apply(_FusedWeightNorm)
+
+
+def fused_weight_norms(plan: FusedPlan, tensors: Sequence[Tensor]) -> tuple[Tensor, ...]:
+    """The weights of the layers of ``plan``, from their ``g0, v0, g1, v1, ...``, in one
+    launch (their gradients in one more), on plain eager tensors."""
+    weights: tuple[Tensor, ...] = _FUSED_APPLY(plan, *tensors)
+    return weights
 
 
 def _check(g: Tensor, v: Tensor, dim: int, eps: float) -> None:

@@ -19,6 +19,8 @@ the second combines a row's partial sums in a fixed order.
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -27,9 +29,11 @@ import triton.language as tl
 from torch import Tensor
 
 from normhooks._kernels._common import (
+    DeviceTable,
     acc_dtype,
     as_float,
     bits,
+    current_stream,
     device_index,
     div,
     extent,
@@ -292,6 +296,103 @@ def _backward(  # type: ignore[no-untyped-def]
         first += block
 
 
+@triton.jit
+def _fused_forward(  # type: ignore[no-untyped-def]
+    layers,
+    row_layers,
+    y,
+    stats,
+    dtype: tl.constexpr,
+    acc: tl.constexpr,
+    block: tl.constexpr,
+    fields: tl.constexpr,
+):
+    """Every row of every weight of a fused plan, one program each: a weight's entry in
+    ``layers`` holds its address, its gain's (0 for none), its row length, where its result
+    starts in the flat ``y``, its first row's index among all rows, and the bits of ``eps``
+    and of the gain's factor. ``stats``: every row's mean, then every row's 1/std."""
+    index = tl.program_id(0).to(tl.int64)
+    entry = layers + tl.load(row_layers + index) * fields
+    x = tl.load(entry).to(tl.pointer_type(dtype))
+    gain = tl.load(entry + 1)
+    length = tl.load(entry + 2)
+    out = y + tl.load(entry + 3)
+    row = index - tl.load(entry + 4)
+    eps = tl.load(entry + 5)
+    factor = tl.load(entry + 6)
+    x_row = x + row * length
+    start = length * 0
+    mean = div(_sum(x_row, 1, start, length, acc, block), length.to(acc), acc)
+    spread = _centred_squares(x_row, 1, start, length, mean, acc, block)
+    rstd = div(1.0, sqrt(div(spread, length.to(acc), acc) + as_float(eps, acc), acc), acc)
+    times = rstd
+    if gain != 0:
+        times = rstd * _scale(gain.to(tl.pointer_type(dtype)), row, factor, acc)
+    first = start
+    while first < length:
+        k = first + tl.arange(0, block)
+        mask = k < length
+        centred = tl.load(x_row + k, mask=mask, other=0.0).to(acc) - mean
+        tl.store(out + row * length + k, (centred * times).to(dtype), mask=mask)
+        first += block
+    tl.store(stats + index, mean)
+    tl.store(stats + tl.num_programs(0) + index, rstd)
+
+
+@triton.jit
+def _fused_backward(  # type: ignore[no-untyped-def]
+    layers,
+    row_layers,
+    grads,
+    stats,
+    grad_x,
+    grad_gain,
+    dtype: tl.constexpr,
+    acc: tl.constexpr,
+    block: tl.constexpr,
+    fields: tl.constexpr,
+):
+    """Backward of :func:`_fused_forward`: ``grads`` holds the address of each weight's
+    incoming gradient, 0 for one that got none (its rows write nothing)."""
+    index = tl.program_id(0).to(tl.int64)
+    layer = tl.load(row_layers + index)
+    address = tl.load(grads + layer)
+    if address != 0:
+        entry = layers + layer * fields
+        x = tl.load(entry).to(tl.pointer_type(dtype))
+        gain = tl.load(entry + 1)
+        length = tl.load(entry + 2)
+        at = tl.load(entry + 3)
+        row = index - tl.load(entry + 4)
+        factor = tl.load(entry + 6)
+        x_row = x + row * length
+        dy_row = address.to(tl.pointer_type(dtype)) + row * length
+        mean = tl.load(stats + index)
+        rstd = tl.load(stats + tl.num_programs(0) + index)
+        start = length * 0
+        incoming_sum, product_sum = _gradient_sums(
+            x_row, dy_row, 1, 1, start, length, mean, rstd, acc, block
+        )
+        times = rstd
+        if gain != 0:
+            times = rstd * _scale(gain.to(tl.pointer_type(dtype)), row, factor, acc)
+            # As in _backward: the scaled gain's gradient, rounded, times factor, rounded.
+            grad = product_sum.to(dtype).to(acc) * as_float(factor, acc)
+            tl.store(grad_gain + index, grad.to(dtype))
+        incoming_mean = div(incoming_sum, length.to(acc), acc)
+        product_mean = div(product_sum, length.to(acc), acc)
+        out = grad_x + at + row * length
+        first = start
+        while first < length:
+            k = first + tl.arange(0, block)
+            mask = k < length
+            normalized = (tl.load(x_row + k, mask=mask, other=0.0).to(acc) - mean) * rstd
+            incoming = tl.load(dy_row + k, mask=mask, other=0.0).to(acc)
+            result = times * (incoming - incoming_mean - normalized * product_mean)
+            tl.store(out + k, result.to(dtype), mask=mask)
+            first += block
+
+
 def _plain(rows: Tensor, eps: float, gain: Tensor | None, factor: float) -> Tensor:
     """The formula in differentiable torch ops, for a backward that must be differentiable."""
     exact = rows.to(compute_dtype(rows.dtype))
@@ -528,6 +629,190 @@ _FORWARD = Kernel(_forward)
 _SUMS = Kernel(_sums)
 _BACKWARD = Kernel(_backward)
 _APPLY = function_apply(_Standardize)
+
+
+# --- one launch each way for many weights ---------------------------------------------------
+
+# A fused plan's entry per weight: its address, its gain's (0: none), row length, where its
+# result starts in the flat output, its first row's index among all rows, eps's and the
+# gain factor's bits, and one unused field (entries of 8: the row table stays aligned).
+_FIELDS = 8
+_MAX_FUSED = 32
+_MAX_GRADIENT_TABLES = 8
+
+
+def fusable(plan: _Plan) -> bool:
+    """Whether a weight of ``plan`` can go in a fused launch: whole rows (few long rows keep
+    their own two launches), read in place as ``[rows, length]`` with a contiguous gain, at
+    least one value."""
+    return (
+        not (plan.split or plan.empty) and plan.strides == (plan.length, 1) and plan.gain_contiguous
+    )
+
+
+class FusedPlan:
+    """Weights of one device and dtype standardized in one launch, and their gradients
+    computed in one: their table on the device, where each result lies in the flat output,
+    and the tables of incoming-gradient addresses met so far.
+
+    Its content is a function of the key it is cached under (the weights' plans and their
+    and their gains' addresses), so it is never stale.
+    """
+
+    def __init__(self, plans: tuple[_Plan, ...], tensors: Sequence[Tensor | None]) -> None:
+        entries: list[int] = []
+        row_layers: list[int] = []
+        self.results: list[tuple[tuple[int, ...], tuple[int, ...], int]] = []
+        self.gains: list[tuple[tuple[int, ...], tuple[int, ...], int]] = []
+        numel = rows = block = 0
+        for layer, plan in enumerate(plans):
+            x, gain = tensors[2 * layer], tensors[2 * layer + 1]
+            assert x is not None  # the weights; only gains may be None
+            gain_address = 0 if gain is None else gain.data_ptr()
+            entries += [x.data_ptr(), gain_address, plan.length, numel, rows]
+            entries += [plan.eps_bits, plan.factor_bits, 0]
+            row_layers += [layer] * plan.count
+            self.results.append((tuple(x.shape), _contiguous_strides(x.shape), numel))
+            self.gains.append(((plan.count,), (1,), rows))
+            numel += plan.length * plan.count
+            rows += plan.count
+            block = max(block, plan.constexprs[1])
+        x = tensors[0]
+        assert x is not None
+        self.dtype, self.device = x.dtype, x.device
+        self.device_index = device_index(x.device)
+        self.acc = compute_dtype(x.dtype)
+        self.numel, self.rows = numel, rows
+        self.table = DeviceTable([entries, row_layers], x.device)
+        self.layers, self.row_layers = self.table.parts
+        self.constexprs = (tl_dtype(x.dtype), acc_dtype(x.dtype), block, _FIELDS)
+        self.plans = plans
+        self.forward_kernels: dict[Any, Any] = {}
+        self.backward_kernels: dict[Any, Any] = {}
+        self.gradient_tables: OrderedDict[tuple[int, ...], DeviceTable] = OrderedDict()
+
+    def gradient_table(self, addresses: tuple[int, ...]) -> Tensor:
+        table = self.gradient_tables.get(addresses)
+        if table is None:
+            table = DeviceTable([addresses], self.device)
+            self.gradient_tables[addresses] = table
+            if len(self.gradient_tables) > _MAX_GRADIENT_TABLES:
+                self.gradient_tables.popitem(last=False)
+        table.use_on(current_stream(self.device))
+        return table.storage
+
+
+def _contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
+    strides = []
+    step = 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
+
+
+_fused_plans: OrderedDict[tuple[object, ...], FusedPlan] = OrderedDict()
+
+
+def fused_plan(plans: tuple[_Plan, ...], tensors: Sequence[Tensor | None]) -> FusedPlan:
+    """The fused plan of weights of :func:`fusable` ``plans`` (one device and dtype), whose
+    ``tensors`` are ``x0, gain0, x1, gain1, ...`` (a gain None where there is none)."""
+    key = (plans, tuple([0 if t is None else t.data_ptr() for t in tensors]))
+    found = _fused_plans.get(key)
+    if found is None:
+        found = FusedPlan(plans, tensors)
+        _fused_plans[key] = found
+        if len(_fused_plans) > _MAX_FUSED:
+            _fused_plans.popitem(last=False)
+    return found
+
+
+class _FusedStandardize(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, plan: FusedPlan, *tensors: Tensor | None) -> tuple[Tensor, ...]:
+        # A result that no layer used gets no gradient: None, not zeros, so its weight and
+        # gain get none either, exactly as without fusion.
+        ctx.set_materialize_grads(False)
+        ctx.plan = plan
+        result = torch.empty(plan.numel, dtype=plan.dtype, device=plan.device)
+        stats = torch.empty(2 * plan.rows, dtype=plan.acc, device=plan.device)
+        ctx.save_for_backward(stats, *tensors)
+        plan.table.use_on(current_stream(plan.device))
+        _FUSED_FORWARD(
+            plan.forward_kernels,
+            (plan.rows, 1),
+            plan.device_index,
+            (plan.row_layers,),
+            plan.layers,
+            plan.row_layers,
+            result,
+            stats,
+            *plan.constexprs,
+        )
+        return tuple([result.as_strided(*view) for view in plan.results])
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Tensor | None) -> tuple[Tensor | None, ...]:
+        stats, *tensors = ctx.saved_tensors
+        plan: FusedPlan = ctx.plan
+        needs = ctx.needs_input_grad
+        result: list[Tensor | None] = [None]
+        if torch.is_grad_enabled():
+            # create_graph: through the plain formula, weight by weight (see _Standardize).
+            for layer, grad in enumerate(grads):
+                x, gain = tensors[2 * layer], tensors[2 * layer + 1]
+                inputs = [t for t in (x, gain) if t is not None and t.requires_grad]
+                if grad is None or not inputs:
+                    result += [None, None]
+                    continue
+                layer_plan = plan.plans[layer]
+                rows = x.reshape(layer_plan.count, layer_plan.length)
+                out = _plain(rows, layer_plan.eps, gain, layer_plan.factor).reshape(x.shape)
+                found = iter(torch.autograd.grad(out, inputs, grad, create_graph=True))
+                result += [
+                    next(found) if t is not None and t.requires_grad else None for t in (x, gain)
+                ]
+            return tuple(result)
+        incoming = [None if grad is None else grad.contiguous() for grad in grads]
+        addresses = tuple([0 if grad is None else grad.data_ptr() for grad in incoming])
+        grad_x = torch.empty(plan.numel, dtype=plan.dtype, device=plan.device)
+        grad_gain = torch.empty(plan.rows, dtype=plan.dtype, device=plan.device)
+        _FUSED_BACKWARD(
+            plan.backward_kernels,
+            (plan.rows, 1),
+            plan.device_index,
+            (plan.row_layers,),
+            plan.layers,
+            plan.row_layers,
+            plan.gradient_table(addresses),
+            stats,
+            grad_x,
+            grad_gain,
+            *plan.constexprs,
+        )
+        for layer, grad in enumerate(grads):
+            if grad is None:
+                result += [None, None]
+                continue
+            at = 2 * layer + 1
+            result.append(grad_x.as_strided(*plan.results[layer]) if needs[at] else None)
+            has_gain = tensors[2 * layer + 1] is not None
+            result.append(
+                grad_gain.as_strided(*plan.gains[layer]) if has_gain and needs[at + 1] else None
+            )
+        return tuple(result)
+
+
+_FUSED_FORWARD = Kernel(_fused_forward)
+_FUSED_BACKWARD = Kernel(_fused_backward)
+_FUSED_APPLY = function_apply(_FusedStandardize)
+
+
+def fused_standardizations(plan: FusedPlan, tensors: Sequence[Tensor | None]) -> tuple[Tensor, ...]:
+    """The standardized weights of ``plan``, from their ``x0, gain0, x1, gain1, ...``, in
+    one launch (their gradients in one more), on plain eager tensors."""
+    results: tuple[Tensor, ...] = _FUSED_APPLY(plan, *tensors)
+    return results
 
 
 def _check(x: Tensor, eps: float, gain: Tensor | None) -> None:
