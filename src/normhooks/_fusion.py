@@ -232,6 +232,8 @@ class Fusion:
         self.levels.append(level)
         if not _kernels.may_launch() or _torch_compat.saved_tensors_hooked():
             return
+        if not (_kernels.routing_cpu_tensors() or torch.cuda.is_available()):
+            return  # no member can be on a device the kernels take
         if self.lazy:
             self._adopt_lazy()
         groups = self._groups()

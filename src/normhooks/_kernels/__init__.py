@@ -54,6 +54,11 @@ def on_device(*tensors: Tensor) -> bool:
     return True
 
 
+def routing_cpu_tensors() -> bool:
+    """Whether :func:`route_cpu_tensors` sends CPU tensors to the kernels now."""
+    return _route_cpu
+
+
 def may_launch() -> bool:
     """Whether kernels may run now: Triton importable, not compiling, tracing, exporting, in
     a ``torch.func`` transform or under a dispatch mode."""
