@@ -334,6 +334,23 @@ def test_half_precision_matches_the_formula_in_float32() -> None:
     torch.testing.assert_close(out.float(), want, rtol=2e-2, atol=2e-3)
 
 
+def test_large_models_are_fused_in_groups_of_bounded_size(
+    calls: dict[str, int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every member's incoming gradient waits for its group's backward."""
+    monkeypatch.setattr(_fusion, "MAX_GROUP_NUMEL", 300)
+    plain = cnn()
+    model = apply_weight_norm(copy.deepcopy(plain))
+    zero(calls)
+    x = inputs()
+    expected = reference(plain, model, WN, lambda m: m(x))
+    out = train(model, lambda m: m(x))
+    # 76 + 222 values (g and v), then 42 + 21: two groups.
+    assert calls["fuse_weight_norms"] == 2
+    assert own_calls(calls) == 0
+    assert_matches(model, out, expected)
+
+
 def test_two_dtypes_take_one_launch_each(calls: dict[str, int]) -> None:
     model = apply_weight_norm(nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2)))
     model[0].double()

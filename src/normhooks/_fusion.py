@@ -181,8 +181,13 @@ class _Group:
 
 
 # A group's key: (its entry point in normhooks._kernels, device, dtype), whether any of its
-# originals requires grad.
-_Key = tuple[tuple[Any, ...], bool]
+# originals requires grad, and which chunk of those it is.
+_Key = tuple[tuple[Any, ...], bool, int]
+
+# Values (originals) of one fused launch at most. Every member's incoming gradient waits for
+# its group's backward, which runs once all have arrived: where layers run in the order they
+# were registered, groups of consecutive members hold at most one group's worth at a time.
+MAX_GROUP_NUMEL = 2**25
 
 
 class Fusion:
@@ -246,6 +251,7 @@ class Fusion:
 
     def _groups(self) -> dict[_Key, _Group]:
         groups: dict[_Key, _Group] = {}
+        chunks: dict[tuple[tuple[Any, ...], bool], tuple[int, int]] = {}
         stale = False
         for member in self.members:
             if not member.current():
@@ -265,12 +271,19 @@ class Fusion:
                 continue
             key, plan, tensors, checks = found
             needs_grad = False
+            numel = 0
             for tensor in tensors:
-                if tensor is not None and tensor.requires_grad:
-                    needs_grad = True
-            group = groups.get((key, needs_grad))
+                if tensor is not None:
+                    needs_grad = needs_grad or tensor.requires_grad
+                    numel += tensor.numel()
+            kind = (key, needs_grad)
+            chunk, size = chunks.get(kind, (0, 0))
+            if size and size + numel > MAX_GROUP_NUMEL:
+                chunk, size = chunk + 1, 0
+            chunks[kind] = (chunk, size + numel)
+            group = groups.get((key, needs_grad, chunk))
             if group is None:
-                group = groups[(key, needs_grad)] = _Group()
+                group = groups[(key, needs_grad, chunk)] = _Group()
             group.members.append(member)
             group.plans.append(plan)
             group.tensors.extend(tensors)
@@ -280,12 +293,12 @@ class Fusion:
         return groups
 
     def _serve(self, groups: dict[_Key, _Group], level: _Level) -> None:
-        on_cuda = any(key[1].type == "cuda" for key, _ in groups)
+        on_cuda = any(key[1].type == "cuda" for key, _, _ in groups)
         if on_cuda and torch.cuda.is_current_stream_capturing():
             # A captured graph would replay this step's tables: the layers' own kernels.
             return
         inference = torch.is_inference_mode_enabled()
-        for (key, needs_grad), group in groups.items():
+        for (key, needs_grad, _), group in groups.items():
             # Groups are named by their entry point in normhooks._kernels.
             launch = getattr(_kernels, key[0])
             if needs_grad and not inference and not torch.is_grad_enabled():
