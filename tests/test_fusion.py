@@ -31,6 +31,7 @@ from kernel_cases import wn_reference, ws_reference
 from normhooks import (
     _fusion,
     _kernels,
+    _torch_compat,
     apply_weight_norm,
     apply_weight_standardization,
     remove_weight_norm,
@@ -729,6 +730,27 @@ def test_an_interrupted_scope_never_serves_a_stale_weight() -> None:
     model(inputs())
     assert served(model) == []
     assert _fusion.fusion_of(model).levels == []  # type: ignore[union-attr]
+
+
+def test_a_weight_is_not_served_on_another_stream_than_it_was_computed_on(
+    calls: dict[str, int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On CUDA each weight remembers its stream; the CPU has none, so one is given here."""
+    plain = cnn()
+    model = apply_weight_norm(copy.deepcopy(plain))
+    monkeypatch.setattr(_torch_compat, "current_raw_stream", lambda index: 2)
+
+    def on_another_stream(layer: nn.Module, args: object) -> None:
+        served = layer.parametrizations.weight.__dict__["forward"]
+        served.stream = (0, 1)
+
+    model[3].register_forward_pre_hook(on_another_stream)
+    zero(calls)
+    x = inputs()
+    expected = reference(plain, model, WN, lambda m: m(x))
+    out = train(model, lambda m: m(x))
+    assert (calls["fuse_weight_norms"], calls["planned_weight_norm"]) == (1, 1)
+    assert_matches(model, out, expected)
 
 
 def test_a_weight_changed_in_place_inside_the_forward_is_seen() -> None:

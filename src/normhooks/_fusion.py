@@ -12,9 +12,10 @@ parametrizations, their Parameters and the state-dict keys are the model's as be
 
 How a weight is served: the member's ``ParametrizationList`` gets an instance ``forward``
 (a :class:`_Served`) for the scope, which torch's parametrized property calls like any
-forward. It returns the fused weight only while the scope is open and the originals are the
-tensors it was computed from, unchanged (same objects and versions); otherwise it computes
-the weight as the layer would. Nothing global changes. torch's own ``parametrize.cached()``
+forward. It returns the fused weight only while the scope is open, the originals are the
+tensors it was computed from, unchanged (same objects and versions), and (on CUDA) the
+current stream is the one it was computed on; otherwise it computes the weight as the layer
+would. Nothing global changes. torch's own ``parametrize.cached()``
 would be cheaper to serve from, but it keys its cache by the module that registered the
 parametrization, which a deep copy shares with its original (a copy inside the scope would
 be served the original's weight), and a scope left open by a ``KeyboardInterrupt`` (which
@@ -87,7 +88,7 @@ _CLOSED = _Level(None)
 class _Served:
     """A member's ``ParametrizationList.forward`` while its scope serves its fused weight."""
 
-    __slots__ = ("chain", "checks", "inference", "level", "weight")
+    __slots__ = ("chain", "checks", "inference", "level", "stream", "weight")
 
     def __init__(
         self,
@@ -96,12 +97,14 @@ class _Served:
         weight: Tensor | None,
         checks: tuple[_Check, ...],
         inference: bool,
+        stream: tuple[int, int] | None = None,
     ) -> None:
         self.chain = chain
         self.level = level
         self.weight = weight
         self.checks = checks
         self.inference = inference
+        self.stream = stream
 
     def __call__(self) -> Tensor:
         # Under saved-tensor hooks (non-reentrant checkpointing) the layer computes its
@@ -117,6 +120,10 @@ class _Served:
         for owner, key, tensor, version in self.checks:
             if owner.get(key) is not tensor or tensor._version != version:
                 return False
+        # A CUDA weight was computed on one stream: another one would read it unsynchronized.
+        stream = self.stream
+        if stream is not None and _torch_compat.current_raw_stream(stream[0]) != stream[1]:
+            return False
         # Inference tensors cannot enter a graph: served only in inference mode.
         return not self.inference or torch.is_inference_mode_enabled()
 
@@ -306,8 +313,12 @@ class Fusion:
                     weights = launch(tuple(group.plans), group.tensors)
             else:
                 weights = launch(tuple(group.plans), group.tensors)
+            device = key[1]
+            stream = None
+            if device.type == "cuda":
+                stream = (device.index, _torch_compat.current_raw_stream(device.index))
             for member, weight, checks in zip(group.members, weights, group.checks, strict=True):
-                served = _Served(member.chain, level, weight, checks, inference)
+                served = _Served(member.chain, level, weight, checks, inference, stream)
                 member.chain.__dict__["forward"] = served
                 level.served.append((member.chain, served))
 

@@ -218,6 +218,13 @@ def plain_eager(*tensors: Tensor) -> bool:
     )
 
 
+def current_raw_stream(device_index: int) -> int:
+    """The raw id of the current CUDA stream of a device, without making a ``Stream`` object
+    (``torch._C._cuda_getCurrentRawStream``, what Triton launches on: 2.11, 2.13)."""
+    stream: int = torch._C._cuda_getCurrentRawStream(device_index)
+    return stream
+
+
 def saved_tensors_hooked() -> bool:
     """Whether saved-tensor hooks are active (``torch.autograd.graph.saved_tensors_hooks``:
     non-reentrant activation checkpointing, ``save_on_cpu``), read through
