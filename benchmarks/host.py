@@ -11,9 +11,11 @@ Sections:
 
 - models: a ResNet-18 with GroupNorm at a fraction of its widths, train step (forward,
   cross-entropy backward, SGD(momentum, foreach)): plain, a second plain copy (the noise),
-  normhooks' weight_norm and weight standardization (kernel path), torch's
-  parametrizations.weight_norm, weight standardization as timm's batch_norm formulation, and
-  the floors (an unchanged parametrization; one that multiplies by 1.0);
+  normhooks' weight normalization and weight standardization as the tree conversions give
+  them (every weight in one fused launch each way) and converted one layer at a time (each
+  layer's own kernels), torch's parametrizations.weight_norm, weight standardization as
+  timm's batch_norm formulation, and the floors (an unchanged parametrization; one that
+  multiplies by 1.0);
 - hooks: GradientLARS and AdaptiveGradientClipping on SGD(momentum, foreach), TrustRatio on
   AdamW(foreach), on the parameter shapes of benchmarks/shapes/ with every dimension capped
   (the tensors' number and ranks are the model's, their compute negligible).

@@ -3,7 +3,9 @@
 ``import normhooks`` never imports Triton: each entry point here imports its kernel module on
 first call. :func:`available` is the dispatch rule: Triton importable, a plain CUDA tensor,
 and not under ``torch.compile`` (where inductor fuses the plain formula itself) nor a
-``torch.func`` transform (whose wrapped tensors a kernel cannot read).
+``torch.func`` transform (whose wrapped tensors a kernel cannot read); :func:`on_device` and
+:func:`may_launch` are its two halves, for ``normhooks._fusion``, which checks the second
+once per forward.
 
 :func:`route_cpu_tensors` is the one private switch that sends plain CPU tensors down the same
 path, for the code around the kernels to be exercised without a GPU: the tests run the

@@ -10,7 +10,12 @@ vanishes at a zero row, whatever :math:`\|v\|` is taken to be there).
 ``v`` is viewed as ``[A, C, B]`` with ``C = v.shape[dim]``: one program per index of ``C``,
 or, for few long rows, one per segment of a row (see ``_common.row_plan``): then a first
 launch each way writes the segments' sums of squares (of :math:`W' v`) and the second adds a
-row's partial sums in a fixed order.
+row's partial sums in a fixed order. Forward saves only g and v: backward recomputes each
+row's norm in the pass that reads v anyway, summed in the order forward summed it.
+
+:class:`FusedPlan` computes many layers (one device and dtype, whole rows) in one launch each
+way, every row of every layer one program, finding each layer's tensors through a table of
+addresses on the device (``normhooks._fusion`` decides which layers).
 """
 
 # Triton ships without type information: its modules and @triton.jit are untyped to mypy.

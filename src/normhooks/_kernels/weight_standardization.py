@@ -11,6 +11,10 @@ One program per row, or, for few long rows, one per segment of a row (see
 ``_common.row_plan``): then a first launch writes each segment's sum and squares about its own
 mean (backward: its sums of :math:`y'_{\text{in}}` and :math:`y'_{\text{in}} \hat x`), and
 the second combines a row's partial sums in a fixed order.
+
+:class:`FusedPlan` standardizes many weights (one device and dtype, whole rows) in one launch
+each way, every row of every weight one program, finding each weight and gain through a
+table of addresses on the device (``normhooks._fusion`` decides which weights).
 """
 
 # Triton ships without type information: its modules and @triton.jit are untyped to mypy.
