@@ -545,24 +545,60 @@ def ddp_fused(rank: int, world: int, out: Path) -> dict[str, Any]:
     model = make_fused_model()
     wrapped = DistributedDataParallel(model)
     _, batches = data()
-    fused = 0
-    entry = _kernels.fuse_weight_norms
-
-    def counting(*args: Any) -> Any:
-        nonlocal fused
-        fused += 1
-        return entry(*args)
-
-    _kernels.fuse_weight_norms = counting  # type: ignore[assignment]
+    count, undo = counting_fused_launches()
     try:
         with _kernels.route_cpu_tensors():
             train_plain(wrapped, batches, lambda t: half(t, rank, world))
     finally:
+        undo()
+    return {"params": full_parameters(model), "fused": count[0]}
+
+
+def counting_fused_launches() -> tuple[list[int], Callable[[], None]]:
+    """Counts the calls of the fused WN entry point; returns the count and what undoes it."""
+    from normhooks import _kernels
+
+    count = [0]
+    entry = _kernels.fuse_weight_norms
+
+    def counting(*args: Any) -> Any:
+        count[0] += 1
+        return entry(*args)
+
+    _kernels.fuse_weight_norms = counting  # type: ignore[assignment]
+
+    def undo() -> None:
         _kernels.fuse_weight_norms = entry  # type: ignore[assignment]
-    return {"params": full_parameters(model), "fused": fused}
+
+    return count, undo
+
+
+def fsdp_fused(rank: int, world: int, out: Path) -> dict[str, Any]:
+    """fully_shard over a model whose weights the tree conversion fused: the originals are
+    DTensors when the model's scope opens, so every layer takes its own path."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from normhooks import _kernels
+
+    mesh = init_device_mesh("cpu", (world,))
+    model = make_fused_model()
+    for layer in model:
+        if any(True for _ in layer.parameters()):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    _, batches = data()
+    count, undo = counting_fused_launches()
+    try:
+        with _kernels.route_cpu_tensors():
+            train_plain(model, batches, lambda t: half(t, rank, world))
+    finally:
+        undo()
+    return {"params": full_parameters(model), "fused": count[0]}
 
 
 SCENARIOS: dict[str, Callable[[int, int, Path], dict[str, Any]]] = {
+    "fsdp_fused": fsdp_fused,
     "ddp": ddp,
     "ddp_fused": ddp_fused,
     "fsdp": fsdp,

@@ -594,6 +594,20 @@ def test_a_removed_layer_leaves_the_others_fused(calls: dict[str, int]) -> None:
     assert_matches(model, out, expected)
 
 
+def test_a_parametrization_removed_by_hand_leaves_the_others_fused(calls: dict[str, int]) -> None:
+    plain = cnn()
+    model = apply_weight_norm(copy.deepcopy(plain))
+    parametrize.remove_parametrizations(model[0], "weight")
+    zero(calls)
+    x = inputs()
+    expected = reference(plain, model, WN, lambda m: m(x))
+    out = train(model, lambda m: m(x))
+    assert calls["fuse_weight_norms"] == 1
+    assert own_calls(calls) == 0
+    assert_matches(model, out, expected)
+    assert len(_fusion.fusion_of(model).members) == 3  # type: ignore[union-attr]
+
+
 def test_a_model_whose_layers_are_all_removed_runs_plain(calls: dict[str, int]) -> None:
     model = remove_weight_standardization(apply_weight_standardization(cnn()))
     model(inputs())
