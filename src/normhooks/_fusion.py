@@ -107,19 +107,22 @@ class _Served:
         self.stream = stream
 
     def __call__(self) -> Tensor:
-        # Under saved-tensor hooks (non-reentrant checkpointing) the layer computes its
-        # weight itself, as the recomputation in backward will, which must save what the
-        # forward saved.
-        if self.level.open and not _torch_compat.saved_tensors_hooked() and self._current():
+        if self.level.open and self._current():
             assert self.weight is not None  # an open level serves a computed weight
             return self.weight
         result: Tensor = type(self.chain).forward(self.chain)
         return result
 
     def _current(self) -> bool:
+        """Whether the fused weight is the one the layer would compute here and now."""
         for owner, key, tensor, version in self.checks:
             if owner.get(key) is not tensor or tensor._version != version:
                 return False
+        # Under saved-tensor hooks (non-reentrant checkpointing) the layer computes its
+        # weight itself, as the recomputation in backward will, which must save what the
+        # forward saved.
+        if _torch_compat.saved_tensors_hooked():
+            return False
         # A CUDA weight was computed on one stream: another one would read it unsynchronized.
         stream = self.stream
         if stream is not None and _torch_compat.current_raw_stream(stream[0]) != stream[1]:

@@ -732,7 +732,8 @@ class _FusedWeightNorm(torch.autograd.Function):
             weight,
             *plan.constexprs,
         )
-        return tuple([weight.as_strided(*view) for view in plan.weights])
+        view = weight.as_strided
+        return tuple([view(*layout) for layout in plan.weights])
 
     @staticmethod
     def backward(ctx: Any, *grads: Tensor | None) -> tuple[Tensor | None, ...]:
@@ -769,13 +770,14 @@ class _FusedWeightNorm(torch.autograd.Function):
             grad_g,
             *plan.constexprs,
         )
+        g_view, v_view = grad_g.as_strided, grad_v.as_strided
         for layer, grad in enumerate(grads):
             if grad is None:
                 result += [None, None]
                 continue
             at = 2 * layer + 1
-            result.append(grad_g.as_strided(*plan.gains[layer]) if needs[at] else None)
-            result.append(grad_v.as_strided(*plan.weights[layer]) if needs[at + 1] else None)
+            result.append(g_view(*plan.gains[layer]) if needs[at] else None)
+            result.append(v_view(*plan.weights[layer]) if needs[at + 1] else None)
         return tuple(result)
 
 

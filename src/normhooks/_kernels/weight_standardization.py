@@ -753,7 +753,8 @@ class _FusedStandardize(torch.autograd.Function):
             stats,
             *plan.constexprs,
         )
-        return tuple([result.as_strided(*view) for view in plan.results])
+        view = result.as_strided
+        return tuple([view(*layout) for layout in plan.results])
 
     @staticmethod
     def backward(ctx: Any, *grads: Tensor | None) -> tuple[Tensor | None, ...]:
@@ -794,16 +795,15 @@ class _FusedStandardize(torch.autograd.Function):
             grad_gain,
             *plan.constexprs,
         )
+        x_view, gain_view = grad_x.as_strided, grad_gain.as_strided
         for layer, grad in enumerate(grads):
             if grad is None:
                 result += [None, None]
                 continue
             at = 2 * layer + 1
-            result.append(grad_x.as_strided(*plan.results[layer]) if needs[at] else None)
+            result.append(x_view(*plan.results[layer]) if needs[at] else None)
             has_gain = tensors[2 * layer + 1] is not None
-            result.append(
-                grad_gain.as_strided(*plan.gains[layer]) if has_gain and needs[at + 1] else None
-            )
+            result.append(gain_view(*plan.gains[layer]) if has_gain and needs[at + 1] else None)
         return tuple(result)
 
 
