@@ -18,7 +18,7 @@ import functools
 import math
 import warnings
 from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 import torch
 from torch import Tensor, nn
@@ -171,13 +171,16 @@ class _Route:
     def __init__(self, dim: int | None) -> None:
         self.dim = dim
         self.plan: object = None
-        self.group: tuple[object, ...] | bool | None = None
+        self.group: FusionGroup | Literal[False] | None = None
 
+
+# The fused launch a weight joins: its entry point in normhooks._kernels, device, dtype.
+FusionGroup = tuple[str, torch.device, torch.dtype]
 
 # What a parametrization hands a fused launch (see WeightNorm._fusion_inputs): the group it
 # joins, its kernel plan, its tensors, and (dict, key, tensor, version) for each of them.
 FusionInputs = tuple[
-    tuple[object, ...],
+    "FusionGroup",
     object,
     tuple[Tensor | None, ...],
     tuple[tuple[dict[str, Any], str, Tensor, int], ...],
@@ -261,7 +264,9 @@ class WeightNorm(nn.Module):
         attribute reads.
         """
         if torch.compiler.is_compiling() or not _torch_compat.plain_tensors(g, v):
-            return _Route(self._check(g, v))
+            unkept = _Route(self._check(g, v))
+            unkept.group = False  # not a fused launch's: its tensors are not plain
+            return unkept
         key: tuple[object, ...] = (v.shape, v.stride(), v.dtype, v.device, g.shape, g.stride())
         key += (g.dtype, g.device, self.dim, self.eps)
         route = _ROUTES.get(key)
@@ -283,12 +288,16 @@ class WeightNorm(nn.Module):
         group = route.group
         if group is None:
             group = route.group = self._fusion_group(g, v, route)
-        if group is False or not _kernels.on_device(g, v):
+        # A route found in the cache is of plain tensors of one device, whose type was
+        # checked: for the CPU the routing switch remains.
+        if group is False or group is None:
+            return None
+        if group[1].type == "cpu" and not _kernels.routing_cpu_tensors():
             return None
         checks = ((originals, "original0", g, g._version), (originals, "original1", v, v._version))
-        return group, route.plan, (g, v), checks  # type: ignore[return-value]
+        return group, route.plan, (g, v), checks
 
-    def _fusion_group(self, g: Tensor, v: Tensor, route: _Route) -> tuple[object, ...] | bool:
+    def _fusion_group(self, g: Tensor, v: Tensor, route: _Route) -> FusionGroup | Literal[False]:
         """The fused launch a layer of ``route`` joins (where its tensors are on a device the
         kernels take), or False where it can join none."""
         # Where the kernels may take it: whether they do depends on the device's type, and

@@ -13,7 +13,7 @@ import functools
 import math
 import warnings
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import Tensor, nn
@@ -204,13 +204,16 @@ class _Route:
         self.plan: object = None
         # The fused launch it can join, found at the first fused scope that meets it; False
         # where it can join none.
-        self.group: tuple[object, ...] | bool | None = None
+        self.group: FusionGroup | Literal[False] | None = None
 
+
+# The fused launch a weight joins: its entry point in normhooks._kernels, device, dtype.
+FusionGroup = tuple[str, torch.device, torch.dtype]
 
 # What a parametrization hands a fused launch (see WeightStandardization._fusion_inputs): the
 # group it joins, its kernel plan, its tensors, and (dict, key, tensor, version) for each.
 FusionInputs = tuple[
-    tuple[object, ...],
+    "FusionGroup",
     object,
     tuple[Tensor | None, ...],
     tuple[tuple[dict[str, Any], str, Tensor, int], ...],
@@ -274,7 +277,9 @@ class WeightStandardization(nn.Module):
             else _torch_compat.plain_tensors(weight, gain)
         )
         if torch.compiler.is_compiling() or not plain:
-            return self._new_route(weight, gain)
+            unkept = self._new_route(weight, gain)
+            unkept.group = False  # not a fused launch's: its tensors are not plain
+            return unkept
         key: tuple[object, ...] = (weight.shape, weight.stride(), weight.dtype, weight.device)
         key += (type(self), self.dim, self.groups, self.eps)
         if gain is not None:
@@ -305,19 +310,21 @@ class WeightStandardization(nn.Module):
         group = route.group
         if group is None:
             group = route.group = self._fusion_group(weight, gain, route)
-        if group is False:
+        # A route found in the cache is of plain tensors of one device, whose type was
+        # checked: for the CPU the routing switch remains.
+        if group is False or group is None:
             return None
-        if not (_kernels.on_device(weight) if gain is None else _kernels.on_device(weight, gain)):
+        if group[1].type == "cpu" and not _kernels.routing_cpu_tensors():
             return None
         checks: tuple[tuple[dict[str, Any], str, Tensor, int], ...]
         checks = ((originals, "original", weight, weight._version),)
         if gain is not None:
             checks += ((self._parameters, "gain", gain, gain._version),)
-        return group, route.plan, (weight, gain), checks  # type: ignore[return-value]
+        return group, route.plan, (weight, gain), checks
 
     def _fusion_group(
         self, weight: Tensor, gain: Tensor | None, route: _Route
-    ) -> tuple[object, ...] | bool:
+    ) -> FusionGroup | Literal[False]:
         """The fused launch a weight of ``route`` joins (where its tensors are on a device
         the kernels take), or False where it can join none."""
         if route.dim != 0 or not weight.numel() or weight.device.type not in _KERNEL_DEVICES:
