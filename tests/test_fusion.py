@@ -458,6 +458,18 @@ def test_compile_takes_each_layers_own_path(calls: dict[str, int]) -> None:
     torch.testing.assert_close(out, want)
 
 
+@pytest.mark.parametrize("strict", [False, True], ids=["non-strict", "strict"])
+def test_export_takes_each_layers_own_path(strict: bool, calls: dict[str, int]) -> None:
+    plain = cnn()
+    model = apply_weight_norm(copy.deepcopy(plain))
+    x = inputs()
+    want, _ = reference(plain, model, WN, lambda m: m(x))
+    zero(calls)
+    exported = torch.export.export(model, (x,), strict=strict)
+    assert calls["fuse_weight_norms"] == 0
+    torch.testing.assert_close(exported.module()(x), want)
+
+
 def test_torch_func_transforms_take_each_layers_own_path(calls: dict[str, int]) -> None:
     plain = cnn()
     model = apply_weight_norm(copy.deepcopy(plain))
