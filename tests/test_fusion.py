@@ -10,6 +10,7 @@ originals through ``torch.func.functional_call`` on the model as it was before c
 from __future__ import annotations
 
 import copy
+import io
 import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -708,6 +709,21 @@ def test_a_deep_copy_inside_the_same_forward_gets_its_own_weights() -> None:
     plain = StudentTeacher(cnn())
     expected = reference(plain, model, WN, lambda m: m(x))
     assert_matches(model, train(model, lambda m: m(x)), expected)
+
+
+def test_the_scope_pickles_with_its_model() -> None:
+    """torch refuses to pickle parametrized modules; once the parametrizations are removed,
+    the model pickles with its fused scope's hooks, which hold no lambda."""
+    model = remove_weight_norm(apply_weight_norm(cnn()))
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    fusion = _fusion.fusion_of(loaded)
+    assert fusion is not None
+    assert fusion.model is loaded
+    x = inputs()
+    torch.testing.assert_close(loaded(x), model(x))
 
 
 def test_fusion_adds_nothing_to_the_state_dict() -> None:
