@@ -81,6 +81,14 @@ def on_every_matrix(convert: Callable[[nn.Module, str], object], model: nn.Modul
     return model
 
 
+def on_every_conv(convert: Callable[[nn.Module], object], model: nn.Module) -> nn.Module:
+    """``convert(module)`` on every convolution, one layer at a time."""
+    for module in list(model.modules()):
+        if isinstance(module, nn.Conv2d):
+            convert(module)
+    return model
+
+
 class _Unchanged(nn.Module):
     """A parametrization that returns its input: what torch's parametrize costs by itself."""
 

@@ -66,6 +66,7 @@ from normhooks import (
     GradientLARS,
     TrustRatio,
     _kernels,
+    apply_weight_norm,
     apply_weight_standardization,
 )
 from normhooks import weight_norm as normhooks_weight_norm
@@ -228,6 +229,9 @@ VARIANTS: dict[str, Callable[[nn.Module], nn.Module]] = {
         with_batch_norm_standardization, eps=WS_EPS
     ),
     "normhooks weight_norm": functools.partial(on_every_matrix, normhooks_weight_norm),
+    # The tree conversion: every weight in one fused launch each way (convolutions and
+    # linear layers, so not the LSTM's matrices).
+    "normhooks apply_weight_norm (fused)": apply_weight_norm,
     "torch weight_norm": functools.partial(on_every_matrix, torch_weight_norm),
     "empty parametrization (floor)": with_empty_parametrizations,
     "multiply-by-1 parametrization (floor)": functools.partial(
@@ -235,6 +239,7 @@ VARIANTS: dict[str, Callable[[nn.Module], nn.Module]] = {
     ),
 }
 STANDARDIZATIONS = ("normhooks weight standardization", "timm-style batch_norm standardization")
+CNN_ONLY = (*STANDARDIZATIONS, "normhooks apply_weight_norm (fused)")
 
 
 def model_variants(plain: nn.Module, names: tuple[str, ...]) -> dict[str, nn.Module]:
@@ -261,7 +266,7 @@ def eager_models(run: Run) -> None:
     lstm = LSTMModel(features, hidden).to(run.device)
     x = torch.randn(run.batches[0], steps, features, device=run.device)
     target = torch.randint(0, 10, (run.batches[0],), device=run.device)
-    names = tuple(name for name in VARIANTS if name not in STANDARDIZATIONS)
+    names = tuple(name for name in VARIANTS if name not in CNN_ONLY)
     run.measure(
         f"2-layer LSTM ({features} -> {hidden}), batch {run.batches[0]}, {steps} steps, eager",
         train_steps(model_variants(lstm, names), x, target, None),
@@ -348,6 +353,15 @@ def kernels_alone(run: Run) -> None:
         ]
         torch.autograd.backward(outs, upstream)
 
+    plans = tuple(
+        _kernels.weight_norm_plan(g, v, 0, WN_EPS, plain_weight_norm)
+        for g, v in zip(gs, vs, strict=True)
+    )
+    tensors = [t for pair in zip(gs, vs, strict=True) for t in pair]
+
+    def fused_wn() -> None:
+        torch.autograd.backward(_kernels.fuse_weight_norms(plans, tensors), upstream)
+
     run.measure(
         f"weight norm, {len(weights)} weights",
         {
@@ -355,6 +369,7 @@ def kernels_alone(run: Run) -> None:
             "plain formula, again (noise)": plain_wn,
             "torch._weight_norm (fused, no eps)": torch_fused_wn,
             "normhooks kernel (exact, eps)": kernel_wn,
+            "normhooks fused kernel, all weights in one launch": fused_wn,
         },
     )
 

@@ -11,9 +11,11 @@ Sections:
 
 - models: a ResNet-18 with GroupNorm at a fraction of its widths, train step (forward,
   cross-entropy backward, SGD(momentum, foreach)): plain, a second plain copy (the noise),
-  normhooks' weight_norm and weight standardization (kernel path), torch's
-  parametrizations.weight_norm, weight standardization as timm's batch_norm formulation, and
-  the floors (an unchanged parametrization; one that multiplies by 1.0);
+  normhooks' weight normalization and weight standardization as the tree conversions give
+  them (every weight in one fused launch each way) and converted one layer at a time (each
+  layer's own kernels), torch's parametrizations.weight_norm, weight standardization as
+  timm's batch_norm formulation, and the floors (an unchanged parametrization; one that
+  multiplies by 1.0);
 - hooks: GradientLARS and AdaptiveGradientClipping on SGD(momentum, foreach), TrustRatio on
   AdamW(foreach), on the parameter shapes of benchmarks/shapes/ with every dimension capped
   (the tensors' number and ranks are the model's, their compute negligible).
@@ -50,6 +52,7 @@ import _proxy
 from _counts import Counts, count
 from _models import (
     ResNet18,
+    on_every_conv,
     on_every_matrix,
     parametrized_tensors,
     with_batch_norm_standardization,
@@ -60,8 +63,10 @@ from normhooks import (
     AdaptiveGradientClipping,
     GradientLARS,
     TrustRatio,
+    apply_weight_norm,
     apply_weight_standardization,
     weight_norm,
+    weight_standardization,
 )
 
 SHAPES = Path(__file__).resolve().parent / "shapes"
@@ -108,12 +113,18 @@ def model_candidates(width: int) -> dict[str, Candidate]:
     models = {
         "plain": plain,
         "plain, a second copy (noise)": copy.deepcopy(plain),
-        "normhooks weight_norm (kernel path)": on_every_matrix(weight_norm, copy.deepcopy(plain)),
+        "normhooks apply_weight_norm (fused)": apply_weight_norm(copy.deepcopy(plain)),
+        "normhooks weight_norm per layer (kernel path)": on_every_matrix(
+            weight_norm, copy.deepcopy(plain)
+        ),
         "torch parametrizations.weight_norm": on_every_matrix(
             torch_weight_norm, copy.deepcopy(plain)
         ),
-        "normhooks weight standardization (kernel path)": apply_weight_standardization(
+        "normhooks apply_weight_standardization (fused)": apply_weight_standardization(
             copy.deepcopy(plain)
+        ),
+        "normhooks WS per layer (kernel path)": on_every_conv(
+            weight_standardization, copy.deepcopy(plain)
         ),
         "batch_norm WS (timm's formulation)": with_batch_norm_standardization(copy.deepcopy(plain)),
         "floor: unchanged parametrization": with_empty_parametrizations(copy.deepcopy(plain)),

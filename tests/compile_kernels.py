@@ -153,16 +153,18 @@ ROW_KERNELS = [
     RowKernel(
         wn._forward,
         ("v", "g", "w"),
-        ("norms", "partials"),
+        ("partials",),
         WN_INTS,
         ("row_is_contiguous", "split"),
         False,
     ),
-    RowKernel(wn._products, ("grad_w", "v"), ("partials",), WN_INTS, ("row_is_contiguous",), True),
+    RowKernel(
+        wn._products, ("grad_w", "v"), ("dots", "squares"), WN_INTS, ("row_is_contiguous",), True
+    ),
     RowKernel(
         wn._backward,
         ("grad_w", "v", "g", "grad_v", "grad_g"),
-        ("norms", "partials"),
+        ("dots", "squares"),
         WN_INTS,
         ("row_is_contiguous", "split"),
         False,
@@ -173,7 +175,7 @@ ROW_KERNELS = [
     RowKernel(
         ws._forward,
         ("x", "gain", "y"),
-        ("means", "rstds", "sums", "squares"),
+        ("stats", "sums", "squares"),
         (*WS_INTS, "x_row_stride", "x_stride"),
         ("has_gain", "split"),
         False,
@@ -181,7 +183,7 @@ ROW_KERNELS = [
     RowKernel(
         ws._sums,
         ("grad_y", "x"),
-        ("means", "rstds", "incoming_sums", "product_sums"),
+        ("stats", "incoming_sums", "product_sums"),
         (*WS_INTS, "dy_row_stride", "dy_stride", "x_row_stride", "x_stride"),
         (),
         True,
@@ -189,7 +191,7 @@ ROW_KERNELS = [
     RowKernel(
         ws._backward,
         ("grad_y", "x", "gain", "grad_x", "grad_gain"),
-        ("means", "rstds", "incoming_sums", "product_sums"),
+        ("stats", "incoming_sums", "product_sums"),
         (*WS_INTS, "dy_row_stride", "dy_stride", "x_row_stride", "x_stride"),
         ("has_gain", "split"),
         False,
@@ -202,7 +204,7 @@ def build_row(
 ) -> Any:
     a = "*fp64" if dtype == "fp64" else "*fp32"
     types = dict.fromkeys(kernel.values, "*" + dtype) | dict.fromkeys(kernel.sums, a)
-    types |= dict.fromkeys(kernel.ints, ints) | {"eps": "i64"}
+    types |= dict.fromkeys(kernel.ints, ints) | {"eps": "i64", "factor": "i64"}
     split = setting.get("split", kernel.first_launch)
     constants: dict[str, Any] = {"acc": accumulator(dtype), "block": 1024, **setting}
     if "split" in kernel.flags:
@@ -238,17 +240,39 @@ def ones_kernels() -> None:
             )
             a = "*fp32"
             types = dict.fromkeys((*kernel.values, *kernel.sums), a)
-            types |= dict.fromkeys(kernel.ints, "i32") | {"eps": "i64"}
+            types |= dict.fromkeys(kernel.ints, "i32") | {"eps": "i64", "factor": "i64"}
             constants: dict[str, Any] = {"acc": tl.float32, "block": 16, **setting}
             if "split" in kernel.flags:
                 constants["partials_block"] = 2 if split else 1
             build(kernel.fn, types, constants, ones=ones)
 
 
+def fused_kernels() -> None:
+    """The kernels that compute many layers in one launch, in every dtype: their tensors are
+    found through int64 tables, and every offset is 64-bit."""
+    tables = {"layers": "*i64", "row_layers": "*i64", "grads": "*i64"}
+    for dtype in DTYPES:
+        value = "*" + dtype
+        a = "*fp64" if dtype == "fp64" else "*fp32"
+        constants = {"dtype": DTYPES[dtype], "acc": accumulator(dtype), "block": 1024}
+        constants["fields"] = 8
+        kernels = [
+            (wn._fused_forward, {"w": value}),
+            (wn._fused_backward, {"grad_v": value, "grad_g": value}),
+            (ws._fused_forward, {"y": value, "stats": a}),
+            (ws._fused_backward, {"stats": a, "grad_x": value, "grad_gain": value}),
+        ]
+        for fn, pointers in kernels:
+            types = {name: tables[name] for name in fn.arg_names if name in tables}
+            compiled = build(fn, types | pointers, constants)
+            check_wide(compiled, f"{fn.__module__}.{fn.__name__} ({dtype})")
+
+
 def main() -> None:
     lars_kernels()
     row_kernels()
     ones_kernels()
+    fused_kernels()
 
 
 if __name__ == "__main__":

@@ -550,8 +550,101 @@ def fsdp1(rank: int, world: int, out: Path) -> dict[str, Any]:
     return results
 
 
+def make_fused_model(seed: int = 0) -> nn.Module:
+    """The CNN + MLP of make_model, weight-normalized as a tree: its four weights fused."""
+    torch.manual_seed(seed)
+    model = nn.Sequential(
+        nn.Conv2d(3, 5, 3, padding=1),
+        nn.GroupNorm(1, 5),
+        nn.ReLU(),
+        nn.Conv2d(5, 4, 3),
+        nn.Flatten(),
+        nn.Linear(4 * 4 * 4, 7),
+        nn.Tanh(),
+        nn.Linear(7, 1),
+    )
+    return apply_weight_norm(model)
+
+
+def train_plain(
+    model: nn.Module,
+    batches: list[tuple[torch.Tensor, torch.Tensor]],
+    shard: Callable[[torch.Tensor], torch.Tensor],
+) -> None:
+    """STEPS of momentum SGD."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+    for x, y in batches:
+        optimizer.zero_grad()
+        F.mse_loss(model(shard(x)), shard(y)).backward()
+        optimizer.step()
+
+
+def ddp_fused(rank: int, world: int, out: Path) -> dict[str, Any]:
+    """DDP over a fused model, its kernels on the CPU through Triton's interpreter (the
+    parent's TRITON_INTERPRET=1 reaches the ranks)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    from normhooks import _kernels
+
+    model = make_fused_model()
+    wrapped = DistributedDataParallel(model)
+    _, batches = data()
+    count, undo = counting_fused_launches()
+    try:
+        with _kernels.route_cpu_tensors():
+            train_plain(wrapped, batches, lambda t: half(t, rank, world))
+    finally:
+        undo()
+    return {"params": full_parameters(model), "fused": count[0]}
+
+
+def counting_fused_launches() -> tuple[list[int], Callable[[], None]]:
+    """Counts the calls of the fused WN entry point; returns the count and what undoes it."""
+    from normhooks import _kernels
+
+    count = [0]
+    entry = _kernels.fuse_weight_norms
+
+    def counting(*args: Any) -> Any:
+        count[0] += 1
+        return entry(*args)
+
+    _kernels.fuse_weight_norms = counting  # type: ignore[assignment]
+
+    def undo() -> None:
+        _kernels.fuse_weight_norms = entry  # type: ignore[assignment]
+
+    return count, undo
+
+
+def fsdp_fused(rank: int, world: int, out: Path) -> dict[str, Any]:
+    """fully_shard over a model whose weights the tree conversion fused: the originals are
+    DTensors when the model's scope opens, so every layer takes its own path."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from normhooks import _kernels
+
+    mesh = init_device_mesh("cpu", (world,))
+    model = make_fused_model()
+    for layer in model:
+        if any(True for _ in layer.parameters()):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    _, batches = data()
+    count, undo = counting_fused_launches()
+    try:
+        with _kernels.route_cpu_tensors():
+            train_plain(model, batches, lambda t: half(t, rank, world))
+    finally:
+        undo()
+    return {"params": full_parameters(model), "fused": count[0]}
+
+
 SCENARIOS: dict[str, Callable[[int, int, Path], dict[str, Any]]] = {
+    "fsdp_fused": fsdp_fused,
     "ddp": ddp,
+    "ddp_fused": ddp_fused,
     "fsdp": fsdp,
     "fsdp_mesh_per_call": fsdp_mesh_per_call,
     "fsdp_agc": fsdp_agc,

@@ -69,7 +69,7 @@ def lars_reference(
 
 def wn_reference(g: Tensor, v: Tensor, dim: int, eps: float) -> Tensor:
     axes = [d for d in range(v.ndim) if d != dim]
-    norm = v.norm(dim=axes, keepdim=True)
+    norm = torch.linalg.vector_norm(v, dim=axes, keepdim=True)
     denominator = norm + eps if eps > 0 else torch.where(norm > 0, norm, torch.ones_like(norm))
     return g * v / denominator
 
@@ -79,6 +79,16 @@ def ws_reference(rows: Tensor, gain: Tensor | None = None, eps: float = 1e-5) ->
     variance = ((rows - mean) ** 2).mean(1, keepdim=True)
     out = (rows - mean) / torch.sqrt(variance + eps)
     return out if gain is None else out * gain.view(-1, 1)
+
+
+def ws_layout(rows: Tensor) -> _common.RowPlan:
+    """How the standardization kernels spread ``rows`` over programs."""
+    return ws_kernels.plan(rows, 1e-5, None, 1.0).layout
+
+
+def clear_plans() -> None:
+    wn_kernels._plans.clear()
+    ws_kernels._plans.clear()
 
 
 def gain_shape(v: Tensor, dim: int) -> list[int]:
@@ -198,8 +208,8 @@ class KernelCases:
     @pytest.fixture
     def rows(
         self, monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest
-    ) -> Callable[[_common.RowPlan], None]:
-        """Sets how row kernels spread rows over programs, from ``request.param``; returns a
+    ) -> Iterator[Callable[[_common.RowPlan], None]]:
+        """Sets how row kernels spread rows over programs, from ``request.param``; yields a
         check that a plan does what the param asks."""
         settings: dict[str, int] = request.param
         for name, value in settings.items():
@@ -209,7 +219,11 @@ class KernelCases:
             assert (plan.splits > 1) == ("MIN_SEGMENT" in settings), plan
             assert plan.wide == ("INT32_SAFE" in settings), plan
 
-        return check
+        # Plans are kept by layout, which the settings do not enter: none made under other
+        # settings may be found, before or after.
+        clear_plans()
+        yield check
+        clear_plans()
 
     @pytest.fixture
     def capturing(self, monkeypatch: pytest.MonkeyPatch) -> Callable[[bool], None]:
@@ -680,7 +694,7 @@ class KernelCases:
         rows: Callable[[_common.RowPlan], None],
     ) -> None:
         matrix = torch.randn(3, 100, dtype=torch.float64) * 3 + 2
-        rows(ws_kernels._plan(matrix))
+        rows(ws_layout(matrix))
         matrix[1] = 0.25  # a constant row: zero variance
         matrix[2] = matrix[2] * 1e-3 + 1e3  # a mean large against the spread
         if transposed:
@@ -699,7 +713,7 @@ class KernelCases:
     def test_standardize_rows_split_rows_are_deterministic(self, device: str) -> None:
         matrix = torch.randn(3, 100).to(device).requires_grad_()
         gain = torch.randn(3).to(device).requires_grad_()
-        assert ws_kernels._plan(matrix).splits > 1
+        assert ws_layout(matrix).splits > 1
         upstream = torch.randn(3, 100).to(device)
 
         def run() -> list[Tensor]:
@@ -787,7 +801,7 @@ class KernelCases:
     @pytest.mark.parametrize(
         ("shape", "gain", "eps", "match"),
         [
-            pytest.param((2, 3, 4), None, 1e-5, "2-D matrix", id="3-D"),
+            pytest.param((6,), None, 1e-5, "at least 2 dimensions", id="1-D"),
             pytest.param((2, 3), 3, 1e-5, "gain must have shape", id="gain"),
             pytest.param((2, 3), None, -1.0, "eps must be non-negative", id="eps"),
         ],
@@ -799,3 +813,152 @@ class KernelCases:
         gains = None if gain is None else torch.ones(gain, device=device)
         with pytest.raises(ValueError, match=match):
             ws_kernels.standardize_rows(rows, eps, gains)
+
+    # ----------------------------------------------------------------------------------------
+    # Many layers in one launch each way
+
+    @pytest.mark.parametrize("dtype", FULL)
+    def test_fused_weight_norms_match_reference(self, dtype: torch.dtype, device: str) -> None:
+        layers = fused_wn_layers()
+        ours = [t.to(device, dtype).requires_grad_() for layer in layers for t in layer[:2]]
+        exact = [t.double().requires_grad_() for layer in layers for t in layer[:2]]
+        plans = tuple(
+            wn_kernels.plan(ours[2 * i], ours[2 * i + 1], dim, eps, plain_weight_norm)
+            for i, (_, _, dim, eps) in enumerate(layers)
+        )
+        assert all(map(wn_kernels.fusable, plans))
+        weights = wn_kernels.fused_weight_norms(wn_kernels.fused_plan(plans, ours), ours)
+        wanted = [
+            wn_reference(exact[2 * i], exact[2 * i + 1], dim, eps)
+            for i, (_, _, dim, eps) in enumerate(layers)
+        ]
+        assert_fused_results(weights, wanted, ours, exact, dtype)
+
+    def test_fused_weight_norms_half_precision_is_float32_rounded_once(self, device: str) -> None:
+        layers = fused_wn_layers()
+        halves = [t.half() for layer in layers for t in layer[:2]]
+        ours = [t.to(device).requires_grad_() for t in halves]
+        exact = [t.float().requires_grad_() for t in halves]
+        plans = tuple(
+            wn_kernels.plan(ours[2 * i], ours[2 * i + 1], dim, eps, plain_weight_norm)
+            for i, (_, _, dim, eps) in enumerate(layers)
+        )
+        weights = wn_kernels.fused_weight_norms(wn_kernels.fused_plan(plans, ours), ours)
+        wanted = [
+            wn_reference(exact[2 * i], exact[2 * i + 1], dim, eps)
+            for i, (_, _, dim, eps) in enumerate(layers)
+        ]
+        assert_fused_results(weights, wanted, ours, exact, torch.float16)
+
+    @pytest.mark.parametrize("dtype", FULL)
+    def test_fused_standardizations_match_reference(self, dtype: torch.dtype, device: str) -> None:
+        layers = fused_ws_layers()
+        ours: list[Tensor | None] = []
+        exact: list[Tensor | None] = []
+        for weight, gain, _ in layers:
+            ours += [
+                t if t is None else t.to(device, dtype).requires_grad_() for t in (weight, gain)
+            ]
+            exact += [t if t is None else t.double().requires_grad_() for t in (weight, gain)]
+        plans = []
+        for i, (_, _, factor) in enumerate(layers):
+            weight = ours[2 * i]
+            assert weight is not None
+            plans.append(ws_kernels.plan(weight, 1e-5, ours[2 * i + 1], factor))
+        assert all(map(ws_kernels.fusable, plans))
+        results = ws_kernels.fused_standardizations(ws_kernels.fused_plan(tuple(plans), ours), ours)
+        wanted = []
+        for i, (weight, _, factor) in enumerate(layers):
+            rows = exact[2 * i]
+            assert rows is not None
+            scale = exact[2 * i + 1]
+            flat = ws_reference(
+                rows.reshape(weight.shape[0], -1), None if scale is None else scale * factor
+            )
+            wanted.append(flat.reshape(weight.shape))
+        assert_fused_results(results, wanted, ours, exact, dtype)
+
+    def test_fused_launches_skip_the_rows_of_weights_without_a_gradient(self, device: str) -> None:
+        """Every gradient given, or none: what the others get does not depend on it."""
+        layers = fused_wn_layers()
+        tensors = [t.to(device).requires_grad_() for layer in layers for t in layer[:2]]
+        plans = tuple(
+            wn_kernels.plan(tensors[2 * i], tensors[2 * i + 1], dim, eps, plain_weight_norm)
+            for i, (_, _, dim, eps) in enumerate(layers)
+        )
+        plan = wn_kernels.fused_plan(plans, tensors)
+        upstream = [torch.randn(v.shape).to(device) for v in tensors[1::2]]
+
+        def grads(used: list[int]) -> list[Tensor | None]:
+            weights = wn_kernels.fused_weight_norms(plan, tensors)
+            outputs = [weights[i] for i in used]
+            return list(
+                torch.autograd.grad(
+                    outputs, tensors, [upstream[i] for i in used], allow_unused=True
+                )
+            )
+
+        every, some = grads(list(range(len(layers)))), grads([0, 2])
+        for i, (got, expected) in enumerate(zip(some, every, strict=True)):
+            if i // 2 in (0, 2):
+                assert got is not None
+                assert torch.equal(got, expected)  # type: ignore[arg-type]
+            else:
+                assert got is None
+
+
+def fused_wn_layers() -> list[tuple[Tensor, Tensor, int, float]]:
+    """(g, v, dim, eps) of layers one fused launch takes: rows along dim 0 and 1, a zero row
+    with eps = 0, a matrix, row lengths below and above one block."""
+    layers = []
+    for shape, dim, eps in [
+        ((6, 3, 3), 0, 1e-3),
+        ((3, 6, 2), 1, 0.0),
+        ((4, 5), 0, 1e-12),
+        ((2, 3, 700), 1, 0.5),
+    ]:
+        v = torch.randn(shape)
+        g = torch.rand(gain_shape(v, dim)) + 0.5
+        layers.append((g, v, dim, eps))
+    layers[1][1].select(1, 2).zero_()
+    return layers
+
+
+def fused_ws_layers() -> list[tuple[Tensor, Tensor | None, float]]:
+    """(weight, gain or None, factor) of weights one fused launch takes: with and without a
+    gain, a constant row, a row of one value, rows longer than one block."""
+    weights = [
+        torch.randn(5, 3, 3, 3) * 3 + 2,
+        torch.randn(4, 7),
+        torch.randn(3, 1, 1),
+        torch.randn(2, 1500),
+    ]
+    weights[0][1] = 0.25
+    gains = [torch.randn(5), None, torch.randn(3), torch.rand(2) + 0.5]
+    factors = [1.3 / 27**0.5, 1.0, 1.0, 0.7]
+    return list(zip(weights, gains, factors, strict=True))
+
+
+def assert_fused_results(
+    results: tuple[Tensor, ...],
+    wanted: list[Tensor],
+    ours: list[Tensor | None],
+    exact: list[Tensor | None],
+    dtype: torch.dtype,
+) -> None:
+    """Each result against its float64 (or float32, for halves) reference, then the
+    gradients of every input, from one random upstream gradient per result."""
+    assert len(results) == len(wanted)
+    for got, want in zip(results, wanted, strict=True):
+        assert got.shape == want.shape
+        assert got.dtype == dtype
+        torch.testing.assert_close(got.cpu(), want.to(dtype))
+    # In the results' dtype, so that both sides start from the same numbers.
+    upstream = [torch.randn(w.shape, dtype=torch.float64).to(dtype) for w in wanted]
+    inputs = [t for t in ours if t is not None]
+    references = [t for t in exact if t is not None]
+    device = inputs[0].device
+    grads = torch.autograd.grad(results, inputs, [u.to(device, dtype) for u in upstream])
+    expected = torch.autograd.grad(wanted, references, [u.to(wanted[0].dtype) for u in upstream])
+    for got, want in zip(grads, expected, strict=True):
+        torch.testing.assert_close(got.cpu(), want.to(dtype))

@@ -22,6 +22,7 @@ from torch import Tensor, nn
 from helpers import assert_compiled_training_matches_eager, assert_grad_scaler_matches_unscaled
 from normhooks import (
     GradientLARS,
+    apply_weight_norm,
     apply_weight_standardization,
     convert_with_weight_normalization,
     data_dependent_init,
@@ -119,6 +120,60 @@ def test_ws_and_wn_match_cpu() -> None:
 
 
 @needs_cuda
+@pytest.mark.parametrize("convert", [apply_weight_norm, apply_weight_standardization])
+def test_fused_training_matches_cpu_in_float64(convert: Callable[[nn.Module], nn.Module]) -> None:
+    cpu = convert(cnn().double())
+    gpu = copy.deepcopy(cpu).cuda()
+    x = torch.randn(4, 3, 16, 16, dtype=torch.float64)
+    for model, data in ((cpu, x), (gpu, x.cuda())):
+        model(data).square().sum().backward()
+    for on_cpu, on_gpu in zip(cpu.parameters(), gpu.parameters(), strict=True):
+        assert on_cpu.grad is not None
+        assert on_gpu.grad is not None
+        torch.testing.assert_close(on_gpu.grad.cpu(), on_cpu.grad, rtol=1e-10, atol=1e-12)
+
+
+@needs_cuda
+def test_a_fused_weight_read_on_another_stream_is_computed_there() -> None:
+    class SideStream(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.first = nn.Conv2d(3, 8, 3)
+            self.second = nn.Conv2d(8, 4, 3)
+            self.stream = torch.cuda.Stream()
+
+        def forward(self, x: Tensor) -> Tensor:
+            y = self.first(x)
+            self.stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(self.stream):
+                z = self.second(y)
+            torch.cuda.current_stream().wait_stream(self.stream)
+            return z
+
+    cpu = apply_weight_norm(SideStream().double())
+    gpu = copy.deepcopy(cpu).cuda()
+    x = torch.randn(2, 3, 16, 16, dtype=torch.float64)
+    torch.testing.assert_close(gpu(x.cuda()).cpu(), cpu(x), rtol=1e-10, atol=1e-12)
+
+
+@needs_cuda
+def test_a_fused_train_step_never_syncs_with_host() -> None:
+    model = apply_weight_norm(cnn()).cuda()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    x = torch.randn(8, 3, 16, 16, device="cuda")
+    for _ in range(2):  # tables, plans and optimizer state outside the checked step
+        model(x).square().mean().backward()
+        optimizer.step()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        model(x).square().mean().backward()
+        optimizer.step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+@needs_cuda
 @pytest.mark.parametrize("rnn_type", [nn.LSTM, nn.GRU], ids=["lstm", "gru"])
 def test_cudnn_rnn_with_weight_norm(rnn_type: type[nn.RNNBase]) -> None:
     torch.manual_seed(0)
@@ -211,12 +266,12 @@ if importlib.util.find_spec("triton") is not None:
         gain_shape,
         lars_reference,
         wn_reference,
+        ws_layout,
         ws_reference,
     )
     from kernel_cases import weight_norm as fused_weight_norm
     from normhooks._kernels import lars as lars_kernels
     from normhooks._kernels import weight_norm as wn_kernels
-    from normhooks._kernels import weight_standardization as ws_kernels
     from normhooks._kernels.lars import lars_unit_
     from normhooks._kernels.weight_standardization import standardize_rows
 
@@ -481,7 +536,7 @@ if importlib.util.find_spec("triton") is not None:
             on_gpu = rows.to("cuda", dtype)
             if transposed:
                 on_gpu = on_gpu.t().contiguous().t()
-            assert ws_kernels._plan(on_gpu).splits > 1
+            assert ws_layout(on_gpu).splits > 1
             ours = [on_gpu.requires_grad_(), gain.to("cuda", dtype).requires_grad_()]
             out = standardize_rows(ours[0], 1e-5, ours[1])
             grads = torch.autograd.grad(out, ours, upstream.to("cuda", dtype))
@@ -519,7 +574,7 @@ if importlib.util.find_spec("triton") is not None:
         @needs_memory
         def test_standardize_rows_kernel_past_2_31_values(self) -> None:
             rows = torch.randn(2, 2**30, device="cuda", dtype=torch.float16)
-            assert ws_kernels._plan(rows).wide
+            assert ws_layout(rows).wide
             upstream = torch.randn_like(rows)
             rows.requires_grad_()
             out = standardize_rows(rows, 1e-5)

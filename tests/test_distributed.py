@@ -64,6 +64,25 @@ def ddp(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
 
 
 @pytest.fixture(scope="module")
+def ddp_fused(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    return spawn("ddp_fused", tmp_path_factory.mktemp("ddp_fused"))
+
+
+@pytest.fixture(scope="module")
+def fsdp_fused(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    return spawn("fsdp_fused", tmp_path_factory.mktemp("fsdp_fused"))
+
+
+@pytest.fixture(scope="module")
+def fused_reference() -> dict[str, Any]:
+    """worker.make_fused_model trained by one process on the full batches."""
+    model = worker.make_fused_model()
+    _, batches = worker.data()
+    worker.train_plain(model, batches, lambda t: t)
+    return worker.full_parameters(model)
+
+
+@pytest.fixture(scope="module")
 def fsdp(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     return spawn("fsdp", tmp_path_factory.mktemp("fsdp"))
 
@@ -152,6 +171,24 @@ def test_data_dependent_init_identical_on_ranks_and_to_full_batch(
     for name, value in ranks[0]["init"].items():
         torch.testing.assert_close(ranks[1]["init"][name], value, rtol=0, atol=0)
     assert_same_tensors(ranks[0]["init"], reference["init"])
+
+
+def test_ddp_over_a_fused_model_matches_one_process(
+    ddp_fused: list[dict[str, Any]], fused_reference: dict[str, Any]
+) -> None:
+    """Each rank fuses its forward (one launch a step), its gradients arrive at once at the
+    end of backward, and DDP averages them as any others."""
+    for rank in ddp_fused:
+        assert rank["fused"] == worker.STEPS
+        assert_same_tensors(rank["params"], fused_reference)
+
+
+def test_fully_shard_over_a_fused_model_leaves_each_layer_its_own_path(
+    fsdp_fused: list[dict[str, Any]], fused_reference: dict[str, Any]
+) -> None:
+    for rank in fsdp_fused:
+        assert rank["fused"] == 0
+        assert_same_tensors(rank["params"], fused_reference)
 
 
 def test_hsdp_training_and_rates_match_one_process(

@@ -20,12 +20,11 @@ import torch
 
 pytest.importorskip("triton", reason="the fused kernels need Triton")
 
-from kernel_cases import KernelCases, run_lars
+from kernel_cases import KernelCases, run_lars, ws_layout
 from normhooks import _kernels
 from normhooks._kernels import _common
 from normhooks._kernels import lars as lars_kernels
 from normhooks._kernels import weight_norm as wn_kernels
-from normhooks._kernels import weight_standardization as ws_kernels
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 on_interpreter = pytest.mark.skipif(
@@ -150,13 +149,13 @@ def test_weight_norm_is_64_bit_for_tensors_past_int32(make: Any, wide: bool) -> 
 def test_standardization_is_64_bit_for_tensors_past_int32(make: Any, wide: bool) -> None:
     rows = make()
     # The result is contiguous: its offsets reach count * length, whatever rows' strides.
-    assert ws_kernels._plan(rows).wide == wide
-    assert ws_kernels._plan(rows.t()).wide == wide
+    assert ws_layout(rows).wide == wide
+    assert ws_layout(rows.t()).wide == wide
 
 
 def test_standardization_is_64_bit_where_strides_reach_past_int32() -> None:
     rows = torch.zeros(1, 1).expand(4, 8)
-    assert not ws_kernels._plan(rows).wide
+    assert not ws_layout(rows).wide
     # A row stride of 2**30: the last row starts at 3 * 2**30.
     assert _common.row_plan(4, 8, _common.extent((4, 8), (2**30, 1))).wide
     assert not _common.row_plan(4, 8, _common.extent((4, 8), (2**28, 1))).wide

@@ -6,6 +6,7 @@ and 2.11 (CUDA); when torch changes one of these, this is the only file to chang
 
 from __future__ import annotations
 
+import functools
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -145,6 +146,37 @@ def pop_forward_pre_hook(module: nn.Module, hook: object) -> Callable[[], None]:
 _PLAIN = frozenset((Tensor, nn.Parameter))
 
 
+def plain_tensors(*tensors: object) -> bool:
+    """Whether every one of ``tensors`` is a plain ``Tensor`` or ``Parameter``, no subclass."""
+    # A loop, not all() over a generator, which costs more: this runs at every forward.
+    for tensor in tensors:  # noqa: SIM110
+        if type(tensor) not in _PLAIN:
+            return False
+    return True
+
+
+@functools.cache
+def _onnx_export_flags() -> Callable[[], bool]:
+    """What ``torch.onnx.is_in_onnx_export`` reads, without its two imports at every call.
+
+    torch 2.13 keeps the flags in ``torch.onnx._internal.torchscript_exporter._globals.GLOBALS
+    .in_onnx_export`` and ``torch.onnx._internal.exporter._flags._is_onnx_exporting``; where
+    either is missing (another torch), the public function is used.
+    """
+    try:
+        from torch.onnx._internal.exporter import _flags
+        from torch.onnx._internal.torchscript_exporter._globals import GLOBALS
+    except ImportError:
+        return torch.onnx.is_in_onnx_export
+    if not (hasattr(GLOBALS, "in_onnx_export") and hasattr(_flags, "_is_onnx_exporting")):
+        return torch.onnx.is_in_onnx_export
+
+    def exporting() -> bool:
+        return bool(GLOBALS.in_onnx_export or _flags._is_onnx_exporting)
+
+    return exporting
+
+
 def plain_eager(*tensors: Tensor) -> bool:
     """Whether ordinary eager code may run on ``tensors``: value branches, custom kernels.
 
@@ -153,13 +185,44 @@ def plain_eager(*tensors: Tensor) -> bool:
     all of these get the plain torch formula, which they can follow.
     """
     return (
-        _PLAIN.issuperset(map(type, tensors))
+        plain_tensors(*tensors)
         and not torch.compiler.is_compiling()
         and not torch.jit.is_tracing()  # type: ignore[attr-defined,no-untyped-call]
-        and not torch.onnx.is_in_onnx_export()
+        and not _onnx_export_flags()()
         and not functorch_transform_active()
         and not dispatch_mode_active()
     )
+
+
+def current_raw_stream(device_index: int) -> int:
+    """The raw id of the current CUDA stream of a device, without making a ``Stream`` object
+    (``torch._C._cuda_getCurrentRawStream``, what Triton launches on: 2.11, 2.13)."""
+    stream: int = torch._C._cuda_getCurrentRawStream(device_index)
+    return stream
+
+
+def saved_tensors_hooked() -> bool:
+    """Whether saved-tensor hooks are active (``torch.autograd.graph.saved_tensors_hooks``:
+    non-reentrant activation checkpointing, ``save_on_cpu``), read through
+    ``torch._C._autograd._top_saved_tensors_default_hooks`` (2.13)."""
+    return torch._C._autograd._top_saved_tensors_default_hooks(True) is not None
+
+
+def function_apply(function: type[torch.autograd.Function]) -> Callable[..., Any]:
+    """``function.apply`` without the Python layer ``torch.autograd.Function.apply`` adds over
+    ``torch._C._FunctionBase.apply`` (2.13): that layer binds default arguments for a Function
+    that defines ``setup_context``, and unwraps dead ``torch.func`` wrappers or defers to
+    ``torch.func`` while a transform runs. For a Function without ``setup_context``, called
+    only where no transform runs (the kernels' dispatch rule, :func:`plain_eager`), what is
+    left is the C entry point. Where torch's classes differ, the public ``apply``.
+    """
+    if function.setup_context is not torch.autograd.Function.setup_context:
+        return function.apply
+    base = vars(torch._C._FunctionBase).get("apply")
+    if base is None or not hasattr(base, "__get__"):
+        return function.apply
+    bound: Callable[..., Any] = base.__get__(None, function)
+    return bound
 
 
 def forward_pre_hooks(module: nn.Module) -> list[object]:

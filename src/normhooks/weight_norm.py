@@ -19,12 +19,12 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 import torch
 from torch import Tensor, nn
 
-from normhooks import _checks, _kernels, _parametrize, _torch_compat, _torch_weight_norm
+from normhooks import _checks, _fusion, _kernels, _parametrize, _torch_compat, _torch_weight_norm
 from normhooks._parametrize import describe, layer_name
 from normhooks._precision import HALF_DTYPES
 from normhooks._torch_compat import ConvNd, own_parameters
@@ -158,6 +158,40 @@ class _WeightNormFunction(torch.autograd.Function):
 # --- the parametrization --------------------------------------------------------------------
 
 
+class _Route:
+    """Where a layer's weight is computed: the axis of v after the checks, the kernels'
+    plan (made at the first forward that runs them), and the fused launch it can join (found
+    at the first fused scope that meets it; False where it can join none)."""
+
+    __slots__ = ("dim", "group", "plan")
+
+    def __init__(self, dim: int | None) -> None:
+        self.dim = dim
+        self.plan: object = None
+        self.group: FusionGroup | Literal[False] | None = None
+
+
+# The fused launch a weight joins: its entry point in normhooks._kernels, device, dtype.
+FusionGroup = tuple[str, torch.device, torch.dtype]
+
+# What a parametrization hands a fused launch (see WeightNorm._fusion_inputs): the group it
+# joins, its kernel plan, its tensors, and (dict, key, tensor, version) for each of them.
+FusionInputs = tuple[
+    "FusionGroup",
+    object,
+    tuple[Tensor | None, ...],
+    tuple[tuple[dict[str, Any], str, Tensor, int], ...],
+]
+
+# The device types whose tensors the kernels take (the CPU's only inside
+# _kernels.route_cpu_tensors()).
+_KERNEL_DEVICES = ("cuda", "cpu")
+
+# WeightNorm's routes, by what they depend on (see WeightNorm._route).
+_ROUTES: dict[tuple[object, ...], _Route] = {}
+_MAX_ROUTES = 4096
+
+
 class WeightNorm(nn.Module):
     r"""Parametrization ``(g, v) -> W = g * v / (||v|| + eps)``, norms over all axes but ``dim``.
 
@@ -191,13 +225,16 @@ class WeightNorm(nn.Module):
         self.legacy_keys = False
 
     def forward(self, g: Tensor, v: Tensor) -> Tensor:
-        dim = self._checked_dim(g, v)
+        route = self._route(g, v)
+        dim = route.dim
         if g.dtype != v.dtype:
             # The fused kernels and torch's fused op take one dtype; the formula promotes.
             return _weight_norm(g, v, dim, self.eps)
-        if dim is not None and _kernels.available(v) and _kernels.available(g):
+        if dim is not None and _kernels.available(g, v):
             # CUDA with Triton: one fused kernel forward and one backward, exact.
-            return _kernels.fused_weight_norm(g, v, dim, self.eps, plain=_weight_norm)
+            if route.plan is None:
+                route.plan = _kernels.weight_norm_plan(g, v, dim, self.eps, _weight_norm)
+            return _kernels.planned_weight_norm(g, v, route.plan)
         if not _eager_cpu(g, v):
             # On an accelerator without Triton, autograd's own graph of the formula launches
             # about as many kernels as the closed-form backward and runs no Python in backward.
@@ -212,13 +249,67 @@ class WeightNorm(nn.Module):
         result: Tensor = _WeightNormFunction.apply(g, v, dim, self.eps)  # type: ignore[no-untyped-call]
         return result
 
-    def _checked_dim(self, g: Tensor, v: Tensor) -> int | None:
-        """The axis of ``v`` with one norm per index, after checking g and v.
+    def _route(self, g: Tensor, v: Tensor) -> _Route:
+        """The outcome of the checks of g and v: the axis of v with one norm per index, and,
+        where the kernels run, their plan.
 
         Every path reads g by v's layout (torch's fused op and the kernels index it per row
-        without bounds checks), so g's shape is checked here, on every path: a few attribute
-        reads, static under torch.compile.
+        without bounds checks), so g's shape is checked here, on every path. In eager code
+        on plain tensors, the outcome is kept by everything it depends on (shapes, strides,
+        dtypes, devices, ``dim`` and ``eps``), so a layer pays for its checks once and finds
+        its kernel plan with them; under ``torch.compile`` they run as they are, static
+        attribute reads.
         """
+        if torch.compiler.is_compiling() or not _torch_compat.plain_tensors(g, v):
+            unkept = _Route(self._check(g, v))
+            unkept.group = False  # not a fused launch's: its tensors are not plain
+            return unkept
+        key: tuple[object, ...] = (v.shape, v.stride(), v.dtype, v.device, g.shape, g.stride())
+        key += (g.dtype, g.device, self.dim, self.eps)
+        route = _ROUTES.get(key)
+        if route is None:
+            route = _Route(self._check(g, v))
+            if len(_ROUTES) >= _MAX_ROUTES:
+                _ROUTES.clear()
+            _ROUTES[key] = route
+        return route
+
+    def _fusion_inputs(self, chain: nn.Module) -> FusionInputs | None:
+        """What a fused launch (:mod:`normhooks._fusion`) needs to compute this weight with
+        others, or None where the layer keeps its own path now."""
+        originals = chain._parameters
+        g, v = originals.get("original0"), originals.get("original1")
+        if g is None or v is None or self.dim is None:
+            return None
+        route = self._route(g, v)
+        group = route.group
+        if group is None:
+            group = route.group = self._fusion_group(g, v, route)
+        # A route found in the cache is of plain tensors of one device, whose type was
+        # checked: for the CPU the routing switch remains.
+        if group is False or group is None:
+            return None
+        if group[1].type == "cpu" and not _kernels.routing_cpu_tensors():
+            return None
+        checks = ((originals, "original0", g, g._version), (originals, "original1", v, v._version))
+        return group, route.plan, (g, v), checks
+
+    def _fusion_group(self, g: Tensor, v: Tensor, route: _Route) -> FusionGroup | Literal[False]:
+        """The fused launch a layer of ``route`` joins (where its tensors are on a device the
+        kernels take), or False where it can join none."""
+        # Where the kernels may take it: whether they do depends on the device's type, and
+        # for the CPU on the private routing switch, checked at each scope.
+        if route.dim is None or g.dtype != v.dtype or g.device != v.device:
+            return False
+        if v.device.type not in _KERNEL_DEVICES:
+            return False
+        if route.plan is None:
+            route.plan = _kernels.weight_norm_plan(g, v, route.dim, self.eps, _weight_norm)
+        if not _kernels.weight_norm_fusable(route.plan):
+            return False
+        return ("fuse_weight_norms", v.device, v.dtype)
+
+    def _check(self, g: Tensor, v: Tensor) -> int | None:
         _parametrize.check_tensor(v, "v", _WHAT)
         if not isinstance(g, Tensor):
             raise TypeError(f"g must be a torch.Tensor, got {type(g).__name__}")
@@ -439,7 +530,7 @@ def apply_weight_norm(
         (['weight'], False)
     """
     _parametrize.convert_tree(_technique(dim, eps), model, layer_types)
-    return model
+    return _fusion.fuse(model)
 
 
 def convert_with_weight_normalization(module_cls: Callable[..., M], *args: Any, **kwargs: Any) -> M:

@@ -3,7 +3,9 @@
 ``import normhooks`` never imports Triton: each entry point here imports its kernel module on
 first call. :func:`available` is the dispatch rule: Triton importable, a plain CUDA tensor,
 and not under ``torch.compile`` (where inductor fuses the plain formula itself) nor a
-``torch.func`` transform (whose wrapped tensors a kernel cannot read).
+``torch.func`` transform (whose wrapped tensors a kernel cannot read); :func:`on_device` and
+:func:`may_launch` are its two halves, for ``normhooks._fusion``, which checks the second
+once per forward.
 
 :func:`route_cpu_tensors` is the one private switch that sends plain CPU tensors down the same
 path, for the code around the kernels to be exercised without a GPU: the tests run the
@@ -17,6 +19,8 @@ import contextlib
 import functools
 import importlib.util
 from collections.abc import Callable, Iterator
+from types import ModuleType
+from typing import Any
 
 from torch import Tensor
 
@@ -32,13 +36,35 @@ def _triton_importable() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
-def available(tensor: Tensor) -> bool:
-    """Whether the kernels can run on ``tensor``."""
-    return (
-        (tensor.is_cuda or (_route_cpu and tensor.is_cpu))
-        and _torch_compat.plain_eager(tensor)
-        and _triton_importable()
-    )
+def available(*tensors: Tensor) -> bool:
+    """Whether the kernels can run on ``tensors``."""
+    for tensor in tensors:
+        if not (tensor.is_cuda or (_route_cpu and tensor.is_cpu)):
+            return False
+    return _torch_compat.plain_eager(*tensors) and _triton_importable()
+
+
+def on_device(*tensors: Tensor) -> bool:
+    """Whether ``tensors`` are plain tensors on a device the kernels take (CUDA, or the CPU
+    inside :func:`route_cpu_tensors`); :func:`may_launch` says whether they may run now."""
+    for tensor in tensors:
+        if not (
+            _torch_compat.plain_tensors(tensor)
+            and (tensor.is_cuda or (_route_cpu and tensor.is_cpu))
+        ):
+            return False
+    return True
+
+
+def routing_cpu_tensors() -> bool:
+    """Whether :func:`route_cpu_tensors` sends CPU tensors to the kernels now."""
+    return _route_cpu
+
+
+def may_launch() -> bool:
+    """Whether kernels may run now: Triton importable, not compiling, tracing, exporting, in
+    a ``torch.func`` transform or under a dispatch mode."""
+    return _torch_compat.plain_eager() and _triton_importable()
 
 
 @contextlib.contextmanager
@@ -91,18 +117,94 @@ def lars_unit_(
     )
 
 
+@functools.cache
+def _weight_norm() -> ModuleType:
+    # Imported at the first call (not with the package: that would import Triton), then
+    # found in this cache.
+    from normhooks._kernels import weight_norm
+
+    return weight_norm
+
+
+@functools.cache
+def _weight_standardization() -> ModuleType:
+    from normhooks._kernels import weight_standardization
+
+    return weight_standardization
+
+
 def fused_weight_norm(
     g: Tensor, v: Tensor, dim: int, eps: float, *, plain: Callable[..., Tensor]
 ) -> Tensor:
     """See :func:`normhooks._kernels.weight_norm.weight_norm` (a different name here: importing
     that submodule binds ``weight_norm`` in this package to the module)."""
-    from normhooks._kernels import weight_norm as module
+    result: Tensor = _weight_norm().weight_norm(g, v, dim, eps, plain=plain)
+    return result
 
-    return module.weight_norm(g, v, dim, eps, plain=plain)
+
+def weight_norm_plan(
+    g: Tensor, v: Tensor, dim: int, eps: float, plain: Callable[..., Tensor]
+) -> object:
+    """See :func:`normhooks._kernels.weight_norm.plan`."""
+    return _weight_norm().plan(g, v, dim, eps, plain)
 
 
-def standardize_rows(rows: Tensor, eps: float, gain: Tensor | None = None) -> Tensor:
+def planned_weight_norm(g: Tensor, v: Tensor, plan: Any) -> Tensor:
+    """:func:`fused_weight_norm` with the layer's plan (:func:`weight_norm_plan`), on plain
+    eager tensors that :func:`available` accepts."""
+    result: Tensor = plan.apply(g, v)
+    return result
+
+
+def standardize_rows(
+    rows: Tensor, eps: float, gain: Tensor | None = None, factor: float = 1.0
+) -> Tensor:
     """See :func:`normhooks._kernels.weight_standardization.standardize_rows`."""
-    from normhooks._kernels import weight_standardization
+    result: Tensor = _weight_standardization().standardize_rows(rows, eps, gain, factor)
+    return result
 
-    return weight_standardization.standardize_rows(rows, eps, gain)
+
+def standardization_plan(rows: Tensor, eps: float, gain: Tensor | None, factor: float) -> object:
+    """See :func:`normhooks._kernels.weight_standardization.plan`."""
+    return _weight_standardization().plan(rows, eps, gain, factor)
+
+
+def planned_standardization(rows: Tensor, gain: Tensor | None, plan: Any) -> Tensor:
+    """:func:`standardize_rows` with the tensor's plan (:func:`standardization_plan`), on
+    plain eager tensors that :func:`available` accepts."""
+    result: Tensor = plan.apply(rows, gain)
+    return result
+
+
+def weight_norm_fusable(plan: Any) -> bool:
+    """See :func:`normhooks._kernels.weight_norm.fusable`."""
+    fusable: bool = _weight_norm().fusable(plan)
+    return fusable
+
+
+def fuse_weight_norms(plans: tuple[Any, ...], tensors: list[Tensor]) -> tuple[Tensor, ...]:
+    """The weights of layers of :func:`weight_norm_fusable` ``plans`` (one device and dtype)
+    from their ``g0, v0, g1, v1, ...``, in one launch each way."""
+    module = _weight_norm()
+    weights: tuple[Tensor, ...] = module.fused_weight_norms(
+        module.fused_plan(plans, tensors), tensors
+    )
+    return weights
+
+
+def standardization_fusable(plan: Any) -> bool:
+    """See :func:`normhooks._kernels.weight_standardization.fusable`."""
+    fusable: bool = _weight_standardization().fusable(plan)
+    return fusable
+
+
+def fuse_standardizations(
+    plans: tuple[Any, ...], tensors: list[Tensor | None]
+) -> tuple[Tensor, ...]:
+    """The standardized weights of :func:`standardization_fusable` ``plans`` (one device and
+    dtype) from their ``x0, gain0, x1, gain1, ...``, in one launch each way."""
+    module = _weight_standardization()
+    results: tuple[Tensor, ...] = module.fused_standardizations(
+        module.fused_plan(plans, tensors), tensors
+    )
+    return results

@@ -19,11 +19,10 @@ each segment's partial sums, the second adds a row's partial sums in a fixed ord
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import struct
-from collections.abc import Iterator
-from typing import NamedTuple
+from collections.abc import Sequence
+from typing import Any, NamedTuple
 
 import torch
 import triton
@@ -128,14 +127,92 @@ def extent(shape: tuple[int, ...], strides: tuple[int, ...]) -> int:
     return 1 + sum((size - 1) * stride for size, stride in zip(shape, strides, strict=True))
 
 
-@contextlib.contextmanager
-def on_device(device: torch.device) -> Iterator[None]:
-    """Launches on ``device``: Triton launches on the current CUDA device."""
-    if device.type != "cuda" or device.index in (None, torch.cuda.current_device()):
-        yield
-        return
-    with torch.cuda.device(device):
-        yield
+def device_index(device: torch.device) -> int | None:
+    """The CUDA device a kernel on ``device`` launches on; None for a device without one
+    (CPU tensors under the interpreter or the host proxy)."""
+    return device.index if device.type == "cuda" else None
+
+
+class on_device:  # noqa: N801 (used as a context manager, like torch.cuda.device)
+    """Launches on CUDA device ``index``: Triton launches on the current device. Switches only
+    when ``index`` is another device than the current one, and switches back on leaving."""
+
+    __slots__ = ("index", "previous")
+
+    def __init__(self, index: int | None) -> None:
+        self.index = index
+        self.previous: int | None = None
+
+    def __enter__(self) -> None:
+        if self.index is None:
+            return
+        current = torch.cuda.current_device()
+        if current != self.index:
+            torch.cuda.set_device(self.index)
+            self.previous = current
+
+    def __exit__(self, *exc: object) -> None:
+        if self.previous is not None:
+            torch.cuda.set_device(self.previous)
+
+
+def current_stream(device: torch.device) -> int | None:
+    """The raw id of the current stream on ``device`` (None off CUDA), as Triton reads it for
+    each launch."""
+    if device.type != "cuda":
+        return None
+    stream: int = triton.runtime.driver.active.get_current_stream(device.index)
+    return stream
+
+
+class DeviceTable:
+    """Rows of int64 values (addresses, sizes, offsets) copied once to ``device``, for kernels
+    that find their tensors through a table.
+
+    Its content must be a function of the key it is cached under, so that a cached table is
+    never stale. :meth:`use_on` makes it safe on whatever stream launches with it.
+    """
+
+    def __init__(self, rows: Sequence[Sequence[int]], device: torch.device) -> None:
+        host = torch.tensor([x for row in rows for x in row], dtype=torch.int64)
+        self.stream = current_stream(device)
+        self.streams: set[int] = set()
+        if device.type == "cuda":
+            # Built once per key; a pinned copy does not wait for the device.
+            host = host.pin_memory()
+        self.storage = host.to(device, non_blocking=True)
+        if device.type == "cuda":
+            # What another stream waits for before its first launch with this table.
+            self.ready = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            self.ready.record()
+        self.parts = torch.split(self.storage, [len(row) for row in rows])
+
+    def use_on(self, stream: int | None) -> None:
+        """Makes the table safe to launch with on the current stream (raw id ``stream``).
+
+        On the stream that built it, stream order does it all. Another stream first waits
+        for the table's copy, and is recorded on its memory: when the cache drops the table,
+        torch's allocator reuses the block only once that stream's work so far is done.
+        """
+        if stream == self.stream or stream in self.streams:
+            return
+        current = torch.cuda.current_stream(self.storage.device)
+        current.wait_event(self.ready)
+        self.storage.record_stream(current)
+        self.streams.add(stream)  # type: ignore[arg-type]
+
+
+# Plans kept per kernel module: a model has a few dozen layouts; past this many, a process
+# that keeps making new ones starts over rather than grow.
+MAX_PLANS = 4096
+
+
+def remember(cache: dict[Any, Any], key: object, value: object) -> None:
+    """Stores ``value`` under ``key`` in a plan cache, which never holds more than
+    :data:`MAX_PLANS` entries."""
+    if len(cache) >= MAX_PLANS:
+        cache.clear()
+    cache[key] = value
 
 
 @triton.jit

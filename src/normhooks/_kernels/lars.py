@@ -24,7 +24,18 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from normhooks._kernels._common import acc_dtype, as_float, bits, div, is_finite, on_device, sqrt
+from normhooks._kernels._common import (
+    DeviceTable,
+    acc_dtype,
+    as_float,
+    bits,
+    current_stream,
+    device_index,
+    div,
+    is_finite,
+    on_device,
+    sqrt,
+)
 from normhooks._kernels._common import tl_dtype as _tl_dtype
 from normhooks._precision import compute_dtype
 
@@ -225,7 +236,7 @@ def _scale(  # type: ignore[no-untyped-def]
         tl.atomic_max(found_inf, 1.0, mask=overflow)
 
 
-class _Table:
+class _Table(DeviceTable):
     """Addresses, sizes and chunks of one list of tensors, on their device.
 
     Its content is a function of the key it is cached under (addresses and sizes), so a
@@ -252,21 +263,8 @@ class _Table:
             # resets its count, so the table leaves every launch as it found it.
             [0] * len(params),
         ]
-        host = torch.tensor([x for row in rows for x in row], dtype=torch.int64)
-        device = params[0].device
-        self.stream = _stream(device)
-        self.streams: set[int] = set()
-        if device.type == "cuda":
-            # Built once per set of tensors; a pinned copy does not wait for the device.
-            host = host.pin_memory()
-        table = host.to(device, non_blocking=True)
-        if device.type == "cuda":
-            # What another stream waits for before its first launch with this table.
-            self.ready = torch.cuda.Event()  # type: ignore[no-untyped-call]
-            self.ready.record()
-        self.storage = table
+        super().__init__(rows, params[0].device)
         self.chunks = len(chunk_tensor)
-        parts = torch.split(table, [len(row) for row in rows])
         (
             self.w_ptrs,
             self.g_ptrs,
@@ -275,29 +273,21 @@ class _Table:
             self.chunk_tensor,
             self.chunk_start,
             self.arrivals,
-        ) = parts
+        ) = self.parts
 
-    def use_on(self, stream: int | None, capturing: bool) -> None:
-        """Makes the table safe to launch with on the current stream (raw id ``stream``).
-
-        On the stream that built it, stream order does it all. Another stream first waits
-        for the table's copy, and is recorded on its memory: when the cache drops the table,
-        torch's allocator reuses the block only once that stream's work so far is done.
-        Under CUDA-graph capture the graph keeps the table's addresses for every replay, so
-        the table is kept for the life of the process (a waiting stream cannot be captured;
-        torch.cuda.graph synchronizes the device before capturing, so the copy is done).
+    def use_on(self, stream: int | None, capturing: bool = False) -> None:
+        """Makes the table safe to launch with on the current stream (see
+        :meth:`DeviceTable.use_on`). Under CUDA-graph capture the graph keeps the table's
+        addresses for every replay, so the table is kept for the life of the process (a
+        waiting stream cannot be captured; torch.cuda.graph synchronizes the device before
+        capturing, so the copy is done).
         """
         if capturing:
             with _tables_lock:
                 if all(kept is not self for kept in _kept):
                     _kept.append(self)
             return
-        if stream == self.stream or stream in self.streams:
-            return
-        current = torch.cuda.current_stream(self.storage.device)
-        current.wait_event(self.ready)
-        self.storage.record_stream(current)
-        self.streams.add(stream)  # type: ignore[arg-type]
+        super().use_on(stream)
 
 
 _tables: OrderedDict[tuple[object, ...], _Table] = OrderedDict()
@@ -305,15 +295,6 @@ _tables: OrderedDict[tuple[object, ...], _Table] = OrderedDict()
 _kept: list[_Table] = []
 # Optimizer steps may run in several threads (one model per thread); the table cache is shared.
 _tables_lock = threading.Lock()
-
-
-def _stream(device: torch.device) -> int | None:
-    """The raw id of the current stream on ``device`` (None off CUDA), as Triton reads it for
-    each launch."""
-    if device.type != "cuda":
-        return None
-    stream: int = triton.runtime.driver.active.get_current_stream(device.index)
-    return stream
 
 
 def _capturing(device: torch.device) -> bool:
@@ -355,7 +336,7 @@ def _table(params: Sequence[Tensor], grads: Sequence[Tensor], capturing: bool) -
             _tables[key] = table
             if len(_tables) > _CACHE_SIZE:
                 _tables.popitem(last=False)
-    table.use_on(_stream(device), capturing)
+    table.use_on(current_stream(device), capturing)
     return table
 
 
@@ -459,7 +440,7 @@ def lars_unit_(
                     originals.append((grad, grads[i]))
     lr_is_tensor = isinstance(lr, Tensor)
     clipping = clip and lr is not None
-    with on_device(device):
+    with on_device(device_index(device)):
         capturing = _capturing(device)
         if capturing and clipping and not lr_is_tensor:
             raise TypeError(

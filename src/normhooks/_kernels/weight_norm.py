@@ -10,7 +10,12 @@ vanishes at a zero row, whatever :math:`\|v\|` is taken to be there).
 ``v`` is viewed as ``[A, C, B]`` with ``C = v.shape[dim]``: one program per index of ``C``,
 or, for few long rows, one per segment of a row (see ``_common.row_plan``): then a first
 launch each way writes the segments' sums of squares (of :math:`W' v`) and the second adds a
-row's partial sums in a fixed order.
+row's partial sums in a fixed order. Forward saves only g and v: backward recomputes each
+row's norm in the pass that reads v anyway, summed in the order forward summed it.
+
+:class:`FusedPlan` computes many layers (one device and dtype, whole rows) in one launch each
+way, every row of every layer one program, finding each layer's tensors through a table of
+addresses on the device (``normhooks._fusion`` decides which layers).
 """
 
 # Triton ships without type information: its modules and @triton.jit are untyped to mypy.
@@ -19,7 +24,8 @@ row's partial sums in a fixed order.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -28,19 +34,24 @@ import triton.language as tl
 from torch import Tensor
 
 from normhooks._kernels._common import (
+    DeviceTable,
     RowPlan,
     acc_dtype,
     as_float,
     bits,
+    current_stream,
+    device_index,
     div,
-    on_device,
+    remember,
     row_partials,
     row_plan,
     segment_bounds,
     sqrt,
     tl_dtype,
 )
+from normhooks._kernels._launch import Kernel
 from normhooks._precision import compute_dtype
+from normhooks._torch_compat import function_apply
 
 
 @triton.jit
@@ -90,7 +101,7 @@ def _sum_of_squares(  # type: ignore[no-untyped-def]
 
 
 @triton.jit
-def _sum_of_products(  # type: ignore[no-untyped-def]
+def _sums_of_products(  # type: ignore[no-untyped-def]
     grad_w,
     v,
     row,
@@ -103,7 +114,10 @@ def _sum_of_products(  # type: ignore[no-untyped-def]
     row_is_contiguous: tl.constexpr,
     wide: tl.constexpr,
 ):
+    """``(sum W' v, sum v v)`` over ``[start, end)``: backward recomputes the norm in the pass
+    that reads v anyway, in the order forward summed it, so forward saves nothing."""
     products = tl.zeros([block], dtype=acc)
+    squares = tl.zeros([block], dtype=acc)
     first = start
     while first < end:
         k = first + tl.arange(0, block)
@@ -112,8 +126,9 @@ def _sum_of_products(  # type: ignore[no-untyped-def]
         values = tl.load(v + offsets, mask=mask, other=0.0).to(acc)
         incoming = tl.load(grad_w + offsets, mask=mask, other=0.0).to(acc)
         products += incoming * values
+        squares += values * values
         first += block
-    return tl.sum(products, axis=0)
+    return tl.sum(products, axis=0), tl.sum(squares, axis=0)
 
 
 @triton.jit
@@ -142,7 +157,6 @@ def _forward(  # type: ignore[no-untyped-def]
     v,
     g,
     w,
-    norms,
     partials,
     length,
     count,
@@ -165,8 +179,7 @@ def _forward(  # type: ignore[no-untyped-def]
         squares = _sum_of_squares(
             v, row, start, end, count, inner, acc, block, row_is_contiguous, wide
         )
-    norm = sqrt(squares, acc)
-    scale = div(tl.load(g + row).to(acc), _denominator(norm, eps, acc), acc)
+    scale = div(tl.load(g + row).to(acc), _denominator(sqrt(squares, acc), eps, acc), acc)
     first = start
     while first < end:
         k = first + tl.arange(0, block)
@@ -175,14 +188,14 @@ def _forward(  # type: ignore[no-untyped-def]
         values = tl.load(v + offsets, mask=mask, other=0.0).to(acc)
         tl.store(w + offsets, (values * scale).to(w.dtype.element_ty), mask=mask)
         first += block
-    tl.store(norms + row, norm, mask=tl.program_id(1) == 0)
 
 
 @triton.jit
 def _products(  # type: ignore[no-untyped-def]
     grad_w,
     v,
-    partials,
+    dots,
+    squares,
     length,
     count,
     inner,
@@ -193,13 +206,15 @@ def _products(  # type: ignore[no-untyped-def]
     row_is_contiguous: tl.constexpr,
     wide: tl.constexpr,
 ):
-    """A split row's first launch backward: each segment's sum of ``W' v``."""
+    """A split row's first launch backward: each segment's sums of ``W' v`` and of ``v v``."""
     row = tl.program_id(0).to(tl.int64)
     start, end = segment_bounds(length, segment, wide)
-    dot = _sum_of_products(
+    dot, square = _sums_of_products(
         grad_w, v, row, start, end, count, inner, acc, block, row_is_contiguous, wide
     )
-    tl.store(partials + row * splits + tl.program_id(1), dot)
+    at = row * splits + tl.program_id(1)
+    tl.store(dots + at, dot)
+    tl.store(squares + at, square)
 
 
 @triton.jit(do_not_specialize=["eps"])
@@ -207,8 +222,8 @@ def _backward(  # type: ignore[no-untyped-def]
     grad_w,
     v,
     g,
-    norms,
-    partials,
+    dots,
+    squares,
     grad_v,
     grad_g,
     length,
@@ -227,12 +242,13 @@ def _backward(  # type: ignore[no-untyped-def]
     row = tl.program_id(0).to(tl.int64)
     start, end = segment_bounds(length, segment, wide)
     if split:
-        dot = row_partials(partials, row, splits, partials_block)
+        dot = row_partials(dots, row, splits, partials_block)
+        square = row_partials(squares, row, splits, partials_block)
     else:
-        dot = _sum_of_products(
+        dot, square = _sums_of_products(
             grad_w, v, row, start, end, count, inner, acc, block, row_is_contiguous, wide
         )
-    norm = tl.load(norms + row)
+    norm = sqrt(square, acc)
     denominator = _denominator(norm, eps, acc)
     safe_norm = tl.where(norm > 0.0, norm, 1.0).to(acc)
     scale = div(tl.load(g + row).to(acc), denominator, acc)
@@ -249,6 +265,173 @@ def _backward(  # type: ignore[no-untyped-def]
         result = incoming * scale + values * coefficient
         tl.store(grad_v + offsets, result.to(grad_v.dtype.element_ty), mask=mask)
         first += block
+
+
+@triton.jit
+def _write_scaled(  # type: ignore[no-untyped-def]
+    v,
+    w,
+    row,
+    start,
+    end,
+    count,
+    inner,
+    scale,
+    acc: tl.constexpr,
+    block: tl.constexpr,
+    row_is_contiguous: tl.constexpr,
+):
+    """``w = v * scale`` over the row's values ``[start, end)`` (64-bit offsets)."""
+    first = start
+    while first < end:
+        k = first + tl.arange(0, block)
+        mask = k < end
+        offsets = _offsets(row, k, count, inner, row_is_contiguous, True)
+        values = tl.load(v + offsets, mask=mask, other=0.0).to(acc)
+        tl.store(w + offsets, (values * scale).to(w.dtype.element_ty), mask=mask)
+        first += block
+
+
+@triton.jit
+def _write_gradient(  # type: ignore[no-untyped-def]
+    grad_w,
+    v,
+    grad_v,
+    row,
+    start,
+    end,
+    count,
+    inner,
+    scale,
+    coefficient,
+    acc: tl.constexpr,
+    block: tl.constexpr,
+    row_is_contiguous: tl.constexpr,
+):
+    """``grad_v = W' scale + v coefficient`` over the row's values (64-bit offsets)."""
+    first = start
+    while first < end:
+        k = first + tl.arange(0, block)
+        mask = k < end
+        offsets = _offsets(row, k, count, inner, row_is_contiguous, True)
+        values = tl.load(v + offsets, mask=mask, other=0.0).to(acc)
+        incoming = tl.load(grad_w + offsets, mask=mask, other=0.0).to(acc)
+        result = incoming * scale + values * coefficient
+        tl.store(grad_v + offsets, result.to(grad_v.dtype.element_ty), mask=mask)
+        first += block
+
+
+@triton.jit
+def _fused_forward(  # type: ignore[no-untyped-def]
+    layers,
+    row_layers,
+    w,
+    dtype: tl.constexpr,
+    acc: tl.constexpr,
+    block: tl.constexpr,
+    fields: tl.constexpr,
+):
+    """Every row of every layer of a fused plan, one program each: a layer's entry in
+    ``layers`` holds the addresses of its v and g, its sizes, where its weight starts in the
+    flat ``w``, its first row's index among all rows, and ``eps``'s bits."""
+    index = tl.program_id(0).to(tl.int64)
+    entry = layers + tl.load(row_layers + index) * fields
+    v = tl.load(entry).to(tl.pointer_type(dtype))
+    g = tl.load(entry + 1).to(tl.pointer_type(dtype))
+    length = tl.load(entry + 2)
+    count = tl.load(entry + 3)
+    inner = tl.load(entry + 4)
+    out = w + tl.load(entry + 5)
+    row = index - tl.load(entry + 6)
+    eps = tl.load(entry + 7)
+    start = length * 0
+    if length == inner:
+        squares = _sum_of_squares(v, row, start, length, count, inner, acc, block, True, True)
+    else:
+        squares = _sum_of_squares(v, row, start, length, count, inner, acc, block, False, True)
+    scale = div(tl.load(g + row).to(acc), _denominator(sqrt(squares, acc), eps, acc), acc)
+    if length == inner:
+        _write_scaled(v, out, row, start, length, count, inner, scale, acc, block, True)
+    else:
+        _write_scaled(v, out, row, start, length, count, inner, scale, acc, block, False)
+
+
+@triton.jit
+def _fused_backward(  # type: ignore[no-untyped-def]
+    layers,
+    row_layers,
+    grads,
+    grad_v,
+    grad_g,
+    dtype: tl.constexpr,
+    acc: tl.constexpr,
+    block: tl.constexpr,
+    fields: tl.constexpr,
+):
+    """Backward of :func:`_fused_forward`: ``grads`` holds the address of each layer's
+    incoming gradient, 0 for a weight that got none (its rows write nothing)."""
+    index = tl.program_id(0).to(tl.int64)
+    layer = tl.load(row_layers + index)
+    address = tl.load(grads + layer)
+    if address != 0:
+        grad_w = address.to(tl.pointer_type(dtype))
+        entry = layers + layer * fields
+        v = tl.load(entry).to(tl.pointer_type(dtype))
+        g = tl.load(entry + 1).to(tl.pointer_type(dtype))
+        length = tl.load(entry + 2)
+        count = tl.load(entry + 3)
+        inner = tl.load(entry + 4)
+        at = tl.load(entry + 5)
+        row = index - tl.load(entry + 6)
+        eps = tl.load(entry + 7)
+        start = length * 0
+        if length == inner:
+            dot, square = _sums_of_products(
+                grad_w, v, row, start, length, count, inner, acc, block, True, True
+            )
+        else:
+            dot, square = _sums_of_products(
+                grad_w, v, row, start, length, count, inner, acc, block, False, True
+            )
+        norm = sqrt(square, acc)
+        denominator = _denominator(norm, eps, acc)
+        safe_norm = tl.where(norm > 0.0, norm, 1.0).to(acc)
+        scale = div(tl.load(g + row).to(acc), denominator, acc)
+        coefficient = -div(scale * dot, denominator * safe_norm, acc)
+        tl.store(grad_g + index, div(dot, denominator, acc).to(grad_g.dtype.element_ty))
+        out = grad_v + at
+        if length == inner:
+            _write_gradient(
+                grad_w,
+                v,
+                out,
+                row,
+                start,
+                length,
+                count,
+                inner,
+                scale,
+                coefficient,
+                acc,
+                block,
+                True,
+            )
+        else:
+            _write_gradient(
+                grad_w,
+                v,
+                out,
+                row,
+                start,
+                length,
+                count,
+                inner,
+                scale,
+                coefficient,
+                acc,
+                block,
+                False,
+            )
 
 
 class _Layout(NamedTuple):
@@ -269,95 +452,353 @@ def _layout(v: Tensor, dim: int) -> _Layout:
     return _Layout(length, count, inner, length == inner, row_plan(count, length, numel))
 
 
-def _partials(count: int, plan: RowPlan, norms: Tensor) -> Tensor:
-    """The partial sums of split rows; ``norms`` stands in (unread) when rows are whole."""
-    if plan.splits == 1:
-        return norms
-    return torch.empty((count, plan.splits), dtype=norms.dtype, device=norms.device)
+class _Plan:
+    """Everything a layer's launches need that its shapes, strides, dtypes, device, ``dim``
+    and ``eps`` fix: computed once, after the checks, and found again by :func:`plan`."""
+
+    __slots__ = (
+        "backward_kernels",
+        "constexprs",
+        "device",
+        "dim",
+        "empty",
+        "eps",
+        "eps_bits",
+        "first_constexprs",
+        "forward_kernels",
+        "g_contiguous",
+        "grid",
+        "partials",
+        "plain",
+        "sizes",
+        "split",
+        "v_contiguous",
+    )
+
+    def __init__(
+        self, g: Tensor, v: Tensor, dim: int, eps: float, plain: Callable[..., Tensor]
+    ) -> None:
+        length, count, inner, row_contiguous, plan = _layout(v, dim)
+        self.dim, self.eps, self.plain = dim, eps, plain
+        self.empty = count == 0
+        self.split = plan.splits > 1
+        self.grid = (count, plan.splits)
+        self.sizes = (length, count, inner, plan.segment, plan.splits)
+        self.eps_bits = bits(eps)
+        acc = acc_dtype(v.dtype)
+        self.first_constexprs = (acc, plan.block, row_contiguous, plan.wide)
+        self.constexprs = (
+            acc,
+            plan.block,
+            row_contiguous,
+            self.split,
+            plan.partials_block,
+            plan.wide,
+        )
+        self.partials = (count * plan.splits, compute_dtype(v.dtype))
+        self.v_contiguous = v.is_contiguous()
+        self.g_contiguous = g.is_contiguous()
+        self.device = device_index(v.device)
+        # The compiled kernels this plan launches, by the alignment of their pointers.
+        self.forward_kernels: tuple[dict[Any, Any], dict[Any, Any]] = ({}, {})
+        self.backward_kernels: tuple[dict[Any, Any], dict[Any, Any]] = ({}, {})
+
+    def apply(self, g: Tensor, v: Tensor) -> Tensor:
+        """:func:`weight_norm` of a layer of this plan, on plain eager tensors."""
+        result: Tensor = _APPLY(g, v, self)
+        return result
+
+
+_plans: dict[tuple[object, ...], _Plan] = {}
+
+
+def plan(g: Tensor, v: Tensor, dim: int, eps: float, plain: Callable[..., Tensor]) -> _Plan:
+    """The checked plan of a layer, found by what determines it (never stale: a layer that
+    changes shape, layout, dtype or device gets another key). ``plain`` is the formula in
+    differentiable torch ops that a double backward goes through (see :func:`weight_norm`)."""
+    key: tuple[object, ...] = (v.shape, v.stride(), v.dtype, v.device, g.shape, g.stride())
+    key += (g.dtype, g.device, dim, eps, plain)
+    found = _plans.get(key)
+    if found is None:
+        _check(g, v, dim, eps)
+        found = _Plan(g, v, dim % v.ndim, float(eps), plain)
+        remember(_plans, key, found)
+    return found
 
 
 class _WeightNorm(torch.autograd.Function):
     @staticmethod
-    def forward(
-        ctx: Any, g: Tensor, v: Tensor, dim: int, eps: float, plain: Callable[..., Tensor]
-    ) -> Tensor:
-        ctx.dim, ctx.eps, ctx.plain = dim, eps, plain
-        contiguous = v.contiguous()
+    def forward(ctx: Any, g: Tensor, v: Tensor, plan: _Plan) -> Tensor:
+        ctx.plan = plan
+        ctx.save_for_backward(g, v)
+        contiguous = v if plan.v_contiguous else v.contiguous()
         weight = torch.empty_like(contiguous)
-        norms = torch.empty(v.shape[dim], dtype=compute_dtype(v.dtype), device=v.device)
-        length, count, inner, row_contiguous, plan = _layout(v, dim)
-        if count:
-            split = plan.splits > 1
-            partials = _partials(count, plan, norms)
-            sizes = (length, count, inner, plan.segment, plan.splits)
-            shared = {"acc": acc_dtype(v.dtype), "block": plan.block, "wide": plan.wide}
-            shared["row_is_contiguous"] = row_contiguous
-            grid = (count, plan.splits)
-            with on_device(v.device):
-                if split:
-                    _squares[grid](contiguous, partials, *sizes, **shared)
-                _forward[grid](
-                    contiguous,
-                    g.contiguous(),
-                    weight,
-                    norms,
-                    partials,
-                    *sizes,
-                    bits(eps),
-                    **shared,
-                    split=split,
-                    partials_block=plan.partials_block,
-                )
-        ctx.save_for_backward(g, v, norms)
+        if plan.empty:
+            return weight
+        gains = g if plan.g_contiguous else g.contiguous()
+        partials = weight
+        if plan.split:
+            count, dtype = plan.partials
+            partials = torch.empty(count, dtype=dtype, device=v.device)
+            _SQUARES(
+                plan.forward_kernels[0],
+                plan.grid,
+                plan.device,
+                (contiguous,),
+                contiguous,
+                partials,
+                *plan.sizes,
+                *plan.first_constexprs,
+            )
+        _FORWARD(
+            plan.forward_kernels[1],
+            plan.grid,
+            plan.device,
+            (contiguous, gains),
+            contiguous,
+            gains,
+            weight,
+            partials,
+            *plan.sizes,
+            plan.eps_bits,
+            *plan.constexprs,
+        )
         return weight
 
     @staticmethod
     def backward(ctx: Any, grad_w: Tensor) -> tuple[Tensor | None, ...]:
-        g, v, norms = ctx.saved_tensors
-        dim, eps = ctx.dim, ctx.eps
+        g, v = ctx.saved_tensors
+        plan: _Plan = ctx.plan
         if torch.is_grad_enabled():
             # create_graph: the kernel's backward is not itself differentiable, so recompute
             # through the plain formula, whose graph is (the saved inputs keep their history).
             wanted = [t for t in (g, v) if t.requires_grad]
             grads = iter(
-                torch.autograd.grad(ctx.plain(g, v, dim, eps), wanted, grad_w, create_graph=True)
+                torch.autograd.grad(
+                    plan.plain(g, v, plan.dim, plan.eps), wanted, grad_w, create_graph=True
+                )
             )
-            return (*(next(grads) if t.requires_grad else None for t in (g, v)), None, None, None)
-        contiguous = v.contiguous()
+            return (*(next(grads) if t.requires_grad else None for t in (g, v)), None)
+        contiguous = v if plan.v_contiguous else v.contiguous()
         grad_v = torch.empty_like(contiguous)
         grad_g = torch.empty(g.shape, dtype=g.dtype, device=g.device)
-        length, count, inner, row_contiguous, plan = _layout(v, dim)
-        if count:
-            split = plan.splits > 1
-            partials = _partials(count, plan, norms)
+        if plan.empty:
+            grad_g.zero_()
+        else:
             incoming = grad_w.contiguous()
-            sizes = (length, count, inner, plan.segment, plan.splits)
-            shared = {"acc": acc_dtype(v.dtype), "block": plan.block, "wide": plan.wide}
-            shared["row_is_contiguous"] = row_contiguous
-            grid = (count, plan.splits)
-            with on_device(v.device):
-                if split:
-                    _products[grid](incoming, contiguous, partials, *sizes, **shared)
-                _backward[grid](
+            gains = g if plan.g_contiguous else g.contiguous()
+            dots = squares = grad_v
+            if plan.split:
+                count, dtype = plan.partials
+                planes = torch.empty((2, count), dtype=dtype, device=v.device)
+                dots, squares = planes[0], planes[1]
+                _PRODUCTS(
+                    plan.backward_kernels[0],
+                    plan.grid,
+                    plan.device,
+                    (incoming, contiguous, squares),
                     incoming,
                     contiguous,
-                    g.contiguous(),
-                    norms,
-                    partials,
-                    grad_v,
-                    grad_g,
-                    *sizes,
-                    bits(eps),
-                    **shared,
-                    split=split,
-                    partials_block=plan.partials_block,
+                    dots,
+                    squares,
+                    *plan.sizes,
+                    *plan.first_constexprs,
                 )
+            _BACKWARD(
+                plan.backward_kernels[1],
+                plan.grid,
+                plan.device,
+                # The second plane of partial sums starts wherever the first one ends.
+                (incoming, contiguous, gains, squares),
+                incoming,
+                contiguous,
+                gains,
+                dots,
+                squares,
+                grad_v,
+                grad_g,
+                *plan.sizes,
+                plan.eps_bits,
+                *plan.constexprs,
+            )
         needs_g, needs_v = ctx.needs_input_grad[:2]
-        return grad_g if needs_g else None, grad_v if needs_v else None, None, None, None
+        return grad_g if needs_g else None, grad_v if needs_v else None, None
+
+
+_SQUARES = Kernel(_squares)
+_FORWARD = Kernel(_forward)
+_PRODUCTS = Kernel(_products)
+_BACKWARD = Kernel(_backward)
+_APPLY = function_apply(_WeightNorm)
+
+
+# --- one launch each way for many layers ----------------------------------------------------
+
+# A fused plan's entry per layer: v's and g's addresses, length, count, inner, where the
+# layer's weight starts in the flat output, its first row's index among all rows, eps's bits.
+_FIELDS = 8
+# Fused plans kept (each holds a table on the device), and tables of incoming-gradient
+# addresses per plan: a training loop meets one set each way, the allocator reusing the
+# same blocks step after step.
+_MAX_FUSED = 32
+_MAX_GRADIENT_TABLES = 8
+
+
+def fusable(plan: _Plan) -> bool:
+    """Whether a layer of ``plan`` can go in a fused launch: whole rows (few long rows keep
+    their own two launches), contiguous g and v, at least one value."""
+    return not (plan.split or plan.empty) and plan.v_contiguous and plan.g_contiguous
+
+
+class FusedPlan:
+    """Layers of one device and dtype whose weights are computed in one launch, and their
+    gradients in one: their table on the device, where each weight lies in the flat output,
+    and the tables of incoming-gradient addresses met so far.
+
+    Its content is a function of the key it is cached under (the layers' plans and their
+    g's and v's addresses), so it is never stale.
+    """
+
+    def __init__(self, plans: tuple[_Plan, ...], tensors: Sequence[Tensor]) -> None:
+        entries: list[int] = []
+        row_layers: list[int] = []
+        self.weights: list[tuple[tuple[int, ...], tuple[int, ...], int]] = []
+        self.gains: list[tuple[tuple[int, ...], tuple[int, ...], int]] = []
+        numel = rows = block = 0
+        for layer, plan in enumerate(plans):
+            g, v = tensors[2 * layer], tensors[2 * layer + 1]
+            length, count, inner = plan.sizes[:3]
+            entries += [v.data_ptr(), g.data_ptr(), length, count, inner, numel, rows]
+            entries.append(plan.eps_bits)
+            row_layers += [layer] * count
+            self.weights.append((tuple(v.shape), v.stride(), numel))
+            self.gains.append((tuple(g.shape), g.stride(), rows))
+            numel += length * count
+            rows += count
+            block = max(block, plan.constexprs[1])
+        v = tensors[1]
+        self.dtype, self.device = v.dtype, v.device
+        self.device_index = device_index(v.device)
+        self.numel, self.rows = numel, rows
+        self.table = DeviceTable([entries, row_layers], v.device)
+        self.layers, self.row_layers = self.table.parts
+        self.constexprs = (tl_dtype(v.dtype), acc_dtype(v.dtype), block, _FIELDS)
+        self.plans = plans
+        self.forward_kernels: dict[Any, Any] = {}
+        self.backward_kernels: dict[Any, Any] = {}
+        self.gradient_tables: OrderedDict[tuple[int, ...], DeviceTable] = OrderedDict()
+
+    def gradient_table(self, addresses: tuple[int, ...]) -> Tensor:
+        table = self.gradient_tables.get(addresses)
+        if table is None:
+            table = DeviceTable([addresses], self.device)
+            self.gradient_tables[addresses] = table
+            if len(self.gradient_tables) > _MAX_GRADIENT_TABLES:
+                self.gradient_tables.popitem(last=False)
+        table.use_on(current_stream(self.device))
+        return table.storage
+
+
+_fused_plans: OrderedDict[tuple[object, ...], FusedPlan] = OrderedDict()
+
+
+def fused_plan(plans: tuple[_Plan, ...], tensors: Sequence[Tensor]) -> FusedPlan:
+    """The fused plan of layers of :func:`fusable` ``plans`` (one device and dtype), whose
+    ``tensors`` are ``g0, v0, g1, v1, ...``."""
+    key = (plans, tuple([t.data_ptr() for t in tensors]))
+    found = _fused_plans.get(key)
+    if found is None:
+        found = FusedPlan(plans, tensors)
+        _fused_plans[key] = found
+        if len(_fused_plans) > _MAX_FUSED:
+            _fused_plans.popitem(last=False)
+    return found
+
+
+class _FusedWeightNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, plan: FusedPlan, *tensors: Tensor) -> tuple[Tensor, ...]:
+        # An output that no layer used gets no gradient: None, not zeros, so its g and v get
+        # none either, exactly as without fusion.
+        ctx.set_materialize_grads(False)
+        ctx.plan = plan
+        ctx.save_for_backward(*tensors)
+        weight = torch.empty(plan.numel, dtype=plan.dtype, device=plan.device)
+        plan.table.use_on(current_stream(plan.device))
+        _FUSED_FORWARD(
+            plan.forward_kernels,
+            (plan.rows, 1),
+            plan.device_index,
+            (plan.row_layers,),
+            plan.layers,
+            plan.row_layers,
+            weight,
+            *plan.constexprs,
+        )
+        view = weight.as_strided
+        return tuple([view(*layout) for layout in plan.weights])
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Tensor | None) -> tuple[Tensor | None, ...]:
+        tensors = ctx.saved_tensors
+        plan: FusedPlan = ctx.plan
+        needs = ctx.needs_input_grad
+        result: list[Tensor | None] = [None]
+        if torch.is_grad_enabled():
+            # create_graph: through the plain formula, layer by layer (see _WeightNorm).
+            for layer, grad in enumerate(grads):
+                g, v = tensors[2 * layer], tensors[2 * layer + 1]
+                wanted = [t for t in (g, v) if t.requires_grad] if grad is not None else []
+                if not wanted:
+                    result += [None, None]
+                    continue
+                layer_plan = plan.plans[layer]
+                weight = layer_plan.plain(g, v, layer_plan.dim, layer_plan.eps)
+                found = iter(torch.autograd.grad(weight, wanted, grad, create_graph=True))
+                result += [next(found) if t.requires_grad else None for t in (g, v)]
+            return tuple(result)
+        incoming = [None if grad is None else grad.contiguous() for grad in grads]
+        addresses = tuple([0 if grad is None else grad.data_ptr() for grad in incoming])
+        grad_v = torch.empty(plan.numel, dtype=plan.dtype, device=plan.device)
+        grad_g = torch.empty(plan.rows, dtype=plan.dtype, device=plan.device)
+        _FUSED_BACKWARD(
+            plan.backward_kernels,
+            (plan.rows, 1),
+            plan.device_index,
+            (plan.row_layers,),
+            plan.layers,
+            plan.row_layers,
+            plan.gradient_table(addresses),
+            grad_v,
+            grad_g,
+            *plan.constexprs,
+        )
+        g_view, v_view = grad_g.as_strided, grad_v.as_strided
+        for layer, grad in enumerate(grads):
+            if grad is None:
+                result += [None, None]
+                continue
+            at = 2 * layer + 1
+            result.append(g_view(*plan.gains[layer]) if needs[at] else None)
+            result.append(v_view(*plan.weights[layer]) if needs[at + 1] else None)
+        return tuple(result)
+
+
+_FUSED_FORWARD = Kernel(_fused_forward)
+_FUSED_BACKWARD = Kernel(_fused_backward)
+_FUSED_APPLY = function_apply(_FusedWeightNorm)
+
+
+def fused_weight_norms(plan: FusedPlan, tensors: Sequence[Tensor]) -> tuple[Tensor, ...]:
+    """The weights of the layers of ``plan``, from their ``g0, v0, g1, v1, ...``, in one
+    launch (their gradients in one more), on plain eager tensors."""
+    weights: tuple[Tensor, ...] = _FUSED_APPLY(plan, *tensors)
+    return weights
 
 
 def _check(g: Tensor, v: Tensor, dim: int, eps: float) -> None:
     tl_dtype(v.dtype)
+    tl_dtype(g.dtype)
     if not -v.ndim <= dim < v.ndim:
         raise ValueError(
             f"dim must be in [{-v.ndim}, {v.ndim - 1}] for v of shape "
@@ -383,7 +824,8 @@ def weight_norm(
 
     With ``eps == 0`` a zero row of ``v`` divides by 1 and gives a zero row (finite
     gradients). float16/bfloat16 are computed in float32 and rounded once. Differentiable in
-    ``g`` and ``v``; a double backward goes through autograd of the plain formula.
+    ``g`` and ``v``; a double backward goes through autograd of the plain formula. Forward
+    saves only g and v: backward recomputes the norms in the pass that reads v anyway.
 
     Args:
         g: the gains: ``v.ndim`` dimensions, all 1 except ``v.shape[dim]`` at ``dim``.
@@ -397,6 +839,5 @@ def weight_norm(
     Returns:
         :math:`W`, contiguous, with ``v``'s shape and dtype.
     """
-    _check(g, v, dim, eps)
-    result: Tensor = _WeightNorm.apply(g, v, dim % v.ndim, float(eps), plain)  # type: ignore[no-untyped-call]
+    result: Tensor = plan(g, v, dim, eps, plain).apply(g, v)
     return result

@@ -11,6 +11,10 @@ One program per row, or, for few long rows, one per segment of a row (see
 ``_common.row_plan``): then a first launch writes each segment's sum and squares about its own
 mean (backward: its sums of :math:`y'_{\text{in}}` and :math:`y'_{\text{in}} \hat x`), and
 the second combines a row's partial sums in a fixed order.
+
+:class:`FusedPlan` standardizes many weights (one device and dtype, whole rows) in one launch
+each way, every row of every weight one program, finding each weight and gain through a
+table of addresses on the device (``normhooks._fusion`` decides which weights).
 """
 
 # Triton ships without type information: its modules and @triton.jit are untyped to mypy.
@@ -18,6 +22,9 @@ the second combines a row's partial sums in a fixed order.
 
 from __future__ import annotations
 
+import math
+from collections import OrderedDict
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -26,20 +33,24 @@ import triton.language as tl
 from torch import Tensor
 
 from normhooks._kernels._common import (
-    RowPlan,
+    DeviceTable,
     acc_dtype,
     as_float,
     bits,
+    current_stream,
+    device_index,
     div,
     extent,
-    on_device,
+    remember,
     row_partials,
     row_plan,
     segment_bounds,
     sqrt,
     tl_dtype,
 )
+from normhooks._kernels._launch import Kernel
 from normhooks._precision import compute_dtype
+from normhooks._torch_compat import function_apply
 
 
 @triton.jit
@@ -126,13 +137,20 @@ def _moments(  # type: ignore[no-untyped-def]
     tl.store(squares + at, _centred_squares(x_row, x_stride, start, end, mean, acc, block))
 
 
-@triton.jit(do_not_specialize=["eps", "length"])
+@triton.jit
+def _scale(gain, row, factor, acc: tl.constexpr):  # type: ignore[no-untyped-def]
+    """A row's gain times ``factor``, rounded to the gain's dtype: what ``gain * factor`` in
+    torch gives (Scaled WS's ``gamma / sqrt(fan_in)``), in the compute dtype."""
+    scaled = tl.load(gain + row).to(acc) * as_float(factor, acc)
+    return scaled.to(gain.dtype.element_ty).to(acc)
+
+
+@triton.jit(do_not_specialize=["eps", "factor", "length"])
 def _forward(  # type: ignore[no-untyped-def]
     x,
     gain,
     y,
-    means,
-    rstds,
+    stats,
     sums,
     squares,
     length,
@@ -141,6 +159,7 @@ def _forward(  # type: ignore[no-untyped-def]
     x_row_stride,
     x_stride,
     eps,
+    factor,
     acc: tl.constexpr,
     block: tl.constexpr,
     has_gain: tl.constexpr,
@@ -169,27 +188,27 @@ def _forward(  # type: ignore[no-untyped-def]
         spread = _centred_squares(x_row, x_stride, start, end, mean, acc, block)
         variance = div(spread, length.to(acc), acc)
     rstd = div(1.0, sqrt(variance + as_float(eps, acc), acc), acc)
-    factor = rstd
+    times = rstd
     if has_gain:
-        factor = rstd * tl.load(gain + row).to(acc)
+        times = rstd * _scale(gain, row, factor, acc)
     first = start
     while first < end:
         k = first + tl.arange(0, block)
         mask = k < end
         centred = tl.load(x_row + k * x_stride, mask=mask, other=0.0).to(acc) - mean
-        tl.store(y + row * length + k, (centred * factor).to(y.dtype.element_ty), mask=mask)
+        tl.store(y + row * length + k, (centred * times).to(y.dtype.element_ty), mask=mask)
         first += block
+    # The means, then the reciprocal standard deviations: one [2, rows] buffer.
     first_part = tl.program_id(1) == 0
-    tl.store(means + row, mean, mask=first_part)
-    tl.store(rstds + row, rstd, mask=first_part)
+    tl.store(stats + row, mean, mask=first_part)
+    tl.store(stats + tl.num_programs(0) + row, rstd, mask=first_part)
 
 
 @triton.jit(do_not_specialize=["length"])
 def _sums(  # type: ignore[no-untyped-def]
     grad_y,
     x,
-    means,
-    rstds,
+    stats,
     incoming_sums,
     product_sums,
     length,
@@ -213,8 +232,8 @@ def _sums(  # type: ignore[no-untyped-def]
         dy_stride,
         start,
         end,
-        tl.load(means + row),
-        tl.load(rstds + row),
+        tl.load(stats + row),
+        tl.load(stats + tl.num_programs(0) + row),
         acc,
         block,
     )
@@ -223,13 +242,12 @@ def _sums(  # type: ignore[no-untyped-def]
     tl.store(product_sums + at, product)
 
 
-@triton.jit(do_not_specialize=["length"])
+@triton.jit(do_not_specialize=["factor", "length"])
 def _backward(  # type: ignore[no-untyped-def]
     grad_y,
     x,
     gain,
-    means,
-    rstds,
+    stats,
     incoming_sums,
     product_sums,
     grad_x,
@@ -241,6 +259,7 @@ def _backward(  # type: ignore[no-untyped-def]
     dy_stride,
     x_row_stride,
     x_stride,
+    factor,
     acc: tl.constexpr,
     block: tl.constexpr,
     has_gain: tl.constexpr,
@@ -251,8 +270,8 @@ def _backward(  # type: ignore[no-untyped-def]
     row = tl.program_id(0).to(tl.int64)
     x_row = x + row * x_row_stride
     dy_row = grad_y + row * dy_row_stride
-    mean = tl.load(means + row)
-    rstd = tl.load(rstds + row)
+    mean = tl.load(stats + row)
+    rstd = tl.load(stats + tl.num_programs(0) + row)
     start, end = segment_bounds(length, segment, wide)
     if split:
         incoming_sum = row_partials(incoming_sums, row, splits, partials_block)
@@ -261,11 +280,13 @@ def _backward(  # type: ignore[no-untyped-def]
         incoming_sum, product_sum = _gradient_sums(
             x_row, dy_row, x_stride, dy_stride, start, end, mean, rstd, acc, block
         )
-    factor = rstd
+    times = rstd
     if has_gain:
-        factor = rstd * tl.load(gain + row).to(acc)
-        grad = product_sum.to(grad_gain.dtype.element_ty)
-        tl.store(grad_gain + row, grad, mask=tl.program_id(1) == 0)
+        times = rstd * _scale(gain, row, factor, acc)
+        # d/d gain of gain * factor, as torch's autograd of that product computes it: the
+        # gradient of the scaled gain, rounded, times factor, rounded.
+        grad = product_sum.to(grad_gain.dtype.element_ty).to(acc) * as_float(factor, acc)
+        tl.store(grad_gain + row, grad.to(grad_gain.dtype.element_ty), mask=tl.program_id(1) == 0)
     incoming_mean = div(incoming_sum, length.to(acc), acc)
     product_mean = div(product_sum, length.to(acc), acc)
     first = start
@@ -274,159 +295,565 @@ def _backward(  # type: ignore[no-untyped-def]
         mask = k < end
         normalized = (tl.load(x_row + k * x_stride, mask=mask, other=0.0).to(acc) - mean) * rstd
         incoming = tl.load(dy_row + k * dy_stride, mask=mask, other=0.0).to(acc)
-        result = factor * (incoming - incoming_mean - normalized * product_mean)
+        result = times * (incoming - incoming_mean - normalized * product_mean)
         tl.store(grad_x + row * length + k, result.to(grad_x.dtype.element_ty), mask=mask)
         first += block
 
 
-def _plain(rows: Tensor, eps: float, gain: Tensor | None) -> Tensor:
+@triton.jit
+def _fused_forward(  # type: ignore[no-untyped-def]
+    layers,
+    row_layers,
+    y,
+    stats,
+    dtype: tl.constexpr,
+    acc: tl.constexpr,
+    block: tl.constexpr,
+    fields: tl.constexpr,
+):
+    """Every row of every weight of a fused plan, one program each: a weight's entry in
+    ``layers`` holds its address, its gain's (0 for none), its row length, where its result
+    starts in the flat ``y``, its first row's index among all rows, and the bits of ``eps``
+    and of the gain's factor. ``stats``: every row's mean, then every row's 1/std."""
+    index = tl.program_id(0).to(tl.int64)
+    entry = layers + tl.load(row_layers + index) * fields
+    x = tl.load(entry).to(tl.pointer_type(dtype))
+    gain = tl.load(entry + 1)
+    length = tl.load(entry + 2)
+    out = y + tl.load(entry + 3)
+    row = index - tl.load(entry + 4)
+    eps = tl.load(entry + 5)
+    factor = tl.load(entry + 6)
+    x_row = x + row * length
+    start = length * 0
+    mean = div(_sum(x_row, 1, start, length, acc, block), length.to(acc), acc)
+    spread = _centred_squares(x_row, 1, start, length, mean, acc, block)
+    rstd = div(1.0, sqrt(div(spread, length.to(acc), acc) + as_float(eps, acc), acc), acc)
+    times = rstd
+    if gain != 0:
+        times = rstd * _scale(gain.to(tl.pointer_type(dtype)), row, factor, acc)
+    first = start
+    while first < length:
+        k = first + tl.arange(0, block)
+        mask = k < length
+        centred = tl.load(x_row + k, mask=mask, other=0.0).to(acc) - mean
+        tl.store(out + row * length + k, (centred * times).to(dtype), mask=mask)
+        first += block
+    tl.store(stats + index, mean)
+    tl.store(stats + tl.num_programs(0) + index, rstd)
+
+
+@triton.jit
+def _fused_backward(  # type: ignore[no-untyped-def]
+    layers,
+    row_layers,
+    grads,
+    stats,
+    grad_x,
+    grad_gain,
+    dtype: tl.constexpr,
+    acc: tl.constexpr,
+    block: tl.constexpr,
+    fields: tl.constexpr,
+):
+    """Backward of :func:`_fused_forward`: ``grads`` holds the address of each weight's
+    incoming gradient, 0 for one that got none (its rows write nothing)."""
+    index = tl.program_id(0).to(tl.int64)
+    layer = tl.load(row_layers + index)
+    address = tl.load(grads + layer)
+    if address != 0:
+        entry = layers + layer * fields
+        x = tl.load(entry).to(tl.pointer_type(dtype))
+        gain = tl.load(entry + 1)
+        length = tl.load(entry + 2)
+        at = tl.load(entry + 3)
+        row = index - tl.load(entry + 4)
+        factor = tl.load(entry + 6)
+        x_row = x + row * length
+        dy_row = address.to(tl.pointer_type(dtype)) + row * length
+        mean = tl.load(stats + index)
+        rstd = tl.load(stats + tl.num_programs(0) + index)
+        start = length * 0
+        incoming_sum, product_sum = _gradient_sums(
+            x_row, dy_row, 1, 1, start, length, mean, rstd, acc, block
+        )
+        times = rstd
+        if gain != 0:
+            times = rstd * _scale(gain.to(tl.pointer_type(dtype)), row, factor, acc)
+            # As in _backward: the scaled gain's gradient, rounded, times factor, rounded.
+            grad = product_sum.to(dtype).to(acc) * as_float(factor, acc)
+            tl.store(grad_gain + index, grad.to(dtype))
+        incoming_mean = div(incoming_sum, length.to(acc), acc)
+        product_mean = div(product_sum, length.to(acc), acc)
+        out = grad_x + at + row * length
+        first = start
+        while first < length:
+            k = first + tl.arange(0, block)
+            mask = k < length
+            normalized = (tl.load(x_row + k, mask=mask, other=0.0).to(acc) - mean) * rstd
+            incoming = tl.load(dy_row + k, mask=mask, other=0.0).to(acc)
+            result = times * (incoming - incoming_mean - normalized * product_mean)
+            tl.store(out + k, result.to(dtype), mask=mask)
+            first += block
+
+
+def _plain(rows: Tensor, eps: float, gain: Tensor | None, factor: float) -> Tensor:
     """The formula in differentiable torch ops, for a backward that must be differentiable."""
     exact = rows.to(compute_dtype(rows.dtype))
     mean = exact.mean(1, keepdim=True)
     variance = (exact - mean).square().mean(1, keepdim=True)
     result = (exact - mean) / torch.sqrt(variance + eps)
     if gain is not None:
-        result = result * gain.to(result.dtype).view(-1, 1)
+        result = result * (gain * factor).to(result.dtype).view(-1, 1)
     return result.to(rows.dtype)
 
 
-def _plan(rows: Tensor, *others: Tensor) -> RowPlan:
-    """How programs cover ``rows`` (and ``others`` of its shape, any strides) and the
-    contiguous result."""
-    count, length = rows.shape
-    reach = max(extent(tuple(t.shape), t.stride()) for t in (rows, *others))
-    return row_plan(count, length, max(reach, count * length))
+def _collapsed_stride(shape: tuple[int, ...], strides: tuple[int, ...]) -> int | None:
+    """The one stride that walks every axis of ``shape`` in row-major order, or None where
+    the axes cannot be walked with one (the tensor would have to be copied)."""
+    stride = None
+    expected = None
+    for size, step in zip(reversed(shape), reversed(strides), strict=True):
+        if size == 1:
+            continue
+        if expected is None:
+            stride, expected = step, step * size
+        elif step != expected:
+            return None
+        else:
+            expected = step * size
+    return 1 if stride is None else stride
 
 
-def _partials(count: int, plan: RowPlan, stand_in: Tensor) -> tuple[Tensor, Tensor]:
+class _Plan:
+    """What a tensor's launches need that its shape, strides, dtype, device and the settings
+    fix: computed once, after the checks, and found again by :func:`plan`. Row ``i`` is
+    ``x[i]``, flattened: where x cannot be read that way with two strides, it is copied."""
+
+    __slots__ = (
+        "acc",
+        "backward_kernels",
+        "constexprs",
+        "count",
+        "device",
+        "empty",
+        "eps",
+        "eps_bits",
+        "factor",
+        "factor_bits",
+        "first_constexprs",
+        "forward_kernels",
+        "gain_contiguous",
+        "grid",
+        "layout",
+        "length",
+        "sizes",
+        "split",
+        "strides",
+    )
+
+    def __init__(self, x: Tensor, eps: float, gain: Tensor | None, factor: float) -> None:
+        has_gain = gain is not None
+        self.gain_contiguous = gain is None or gain.is_contiguous()
+        count = x.shape[0]
+        length = math.prod(x.shape[1:])
+        self.count, self.length = count, length
+        self.empty = count * length == 0
+        stride = _collapsed_stride(tuple(x.shape[1:]), x.stride()[1:])
+        if stride is None:
+            self.strides = None
+            reach = count * length
+        else:
+            self.strides = (x.stride(0), stride)
+            reach = max(extent(tuple(x.shape), x.stride()), count * length)
+        plan = row_plan(count, length, reach)
+        self.layout = plan
+        self.split = plan.splits > 1
+        self.grid = (count, plan.splits)
+        self.sizes = (length, plan.segment, plan.splits)
+        self.eps, self.factor = eps, factor
+        self.eps_bits, self.factor_bits = bits(eps), bits(factor)
+        self.acc = compute_dtype(x.dtype)
+        acc = acc_dtype(x.dtype)
+        self.first_constexprs = (acc, plan.block, plan.wide)
+        self.constexprs = (acc, plan.block, has_gain, self.split, plan.partials_block, plan.wide)
+        self.device = device_index(x.device)
+        # The compiled kernels this plan launches, by the alignment of their pointers.
+        self.forward_kernels: tuple[dict[Any, Any], dict[Any, Any]] = ({}, {})
+        self.backward_kernels: tuple[dict[Any, Any], dict[Any, Any]] = ({}, {})
+
+    def apply(self, x: Tensor, gain: Tensor | None) -> Tensor:
+        """:func:`standardize_rows` of a tensor of this plan, on plain eager tensors."""
+        result: Tensor = _APPLY(x, gain, self)
+        return result
+
+    def rows(self, x: Tensor) -> tuple[Tensor, tuple[int, int]]:
+        """``x`` as the kernels read it, and its two strides."""
+        if self.strides is not None:
+            return x, self.strides
+        return x.reshape(self.count, self.length), (self.length, 1)
+
+
+_plans: dict[tuple[object, ...], _Plan] = {}
+
+
+def plan(x: Tensor, eps: float, gain: Tensor | None, factor: float) -> _Plan:
+    """The checked plan of ``x``, found by what determines it (never stale: a tensor that
+    changes shape, layout, dtype or device gets another key)."""
+    key: tuple[object, ...] = (x.shape, x.stride(), x.dtype, x.device, eps, factor)
+    if gain is not None:
+        key += (gain.shape, gain.stride(), gain.dtype, gain.device)
+    found = _plans.get(key)
+    if found is None:
+        _check(x, eps, gain)
+        found = _Plan(x, float(eps), gain, float(factor))
+        remember(_plans, key, found)
+    return found
+
+
+def _partials(count: int, plan: _Plan, stand_in: Tensor) -> tuple[Tensor, Tensor]:
     """Two planes of partial sums for split rows; ``stand_in`` (unread) when rows are whole."""
-    if plan.splits == 1:
+    if not plan.split:
         return stand_in, stand_in
-    planes = torch.empty((2, count, plan.splits), dtype=stand_in.dtype, device=stand_in.device)
+    planes = torch.empty((2, count, plan.grid[1]), dtype=plan.acc, device=stand_in.device)
     return planes[0], planes[1]
 
 
 class _Standardize(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, rows: Tensor, eps: float, gain: Tensor | None) -> Tensor:
-        ctx.eps = eps
-        count, length = rows.shape
-        acc = compute_dtype(rows.dtype)
-        result = torch.empty((count, length), dtype=rows.dtype, device=rows.device)
-        means = torch.empty(count, dtype=acc, device=rows.device)
-        rstds = torch.empty(count, dtype=acc, device=rows.device)
-        if rows.numel():
-            plan = _plan(rows)
-            split = plan.splits > 1
-            sums, squares = _partials(count, plan, means)
-            sizes = (length, plan.segment, plan.splits, rows.stride(0), rows.stride(1))
-            shared = {"acc": acc_dtype(rows.dtype), "block": plan.block, "wide": plan.wide}
-            grid = (count, plan.splits)
-            with on_device(rows.device):
-                if split:
-                    _moments[grid](rows, sums, squares, *sizes, **shared)
-                _forward[grid](
-                    rows,
-                    gain.contiguous() if gain is not None else rows,
-                    result,
-                    means,
-                    rstds,
-                    sums,
-                    squares,
-                    *sizes,
-                    bits(eps),
-                    **shared,
-                    has_gain=gain is not None,
-                    split=split,
-                    partials_block=plan.partials_block,
-                )
-        ctx.save_for_backward(rows, gain, means, rstds)
+    def forward(ctx: Any, x: Tensor, gain: Tensor | None, plan: _Plan) -> Tensor:
+        ctx.plan = plan
+        result = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        if plan.empty:
+            ctx.save_for_backward(x, gain, None)
+            return result
+        rows, strides = plan.rows(x)
+        stats = torch.empty(2 * plan.count, dtype=plan.acc, device=x.device)
+        ctx.save_for_backward(x, gain, stats)
+        gains = rows if gain is None else gain.contiguous()
+        sums, squares = _partials(plan.count, plan, stats)
+        if plan.split:
+            _MOMENTS(
+                plan.forward_kernels[0],
+                plan.grid,
+                plan.device,
+                (rows, squares),
+                rows,
+                sums,
+                squares,
+                *plan.sizes,
+                *strides,
+                *plan.first_constexprs,
+            )
+        _FORWARD(
+            plan.forward_kernels[1],
+            plan.grid,
+            plan.device,
+            # The second plane of partial sums starts wherever the first one ends.
+            (rows, gains, squares),
+            rows,
+            gains,
+            result,
+            stats,
+            sums,
+            squares,
+            *plan.sizes,
+            *strides,
+            plan.eps_bits,
+            plan.factor_bits,
+            *plan.constexprs,
+        )
         return result
 
     @staticmethod
     def backward(ctx: Any, grad_y: Tensor) -> tuple[Tensor | None, ...]:
-        rows, gain, means, rstds = ctx.saved_tensors
+        x, gain, stats = ctx.saved_tensors
+        plan: _Plan = ctx.plan
         if torch.is_grad_enabled():
             # create_graph: the kernel's backward is not itself differentiable, so recompute
             # through the plain formula, whose graph is (the saved inputs keep their history).
-            inputs = [t for t in (rows, gain) if t is not None and t.requires_grad]
-            grads = iter(
-                torch.autograd.grad(_plain(rows, ctx.eps, gain), inputs, grad_y, create_graph=True)
-            )
-            grad_rows = next(grads) if rows.requires_grad else None
+            inputs = [t for t in (x, gain) if t is not None and t.requires_grad]
+            rows = x.reshape(plan.count, plan.length)
+            result = _plain(rows, plan.eps, gain, plan.factor).reshape(x.shape)
+            grads = iter(torch.autograd.grad(result, inputs, grad_y, create_graph=True))
+            grad_x = next(grads) if x.requires_grad else None
             grad_gain = next(grads) if gain is not None and gain.requires_grad else None
-            return grad_rows, None, grad_gain
-        count, length = rows.shape
-        grad_rows = torch.empty((count, length), dtype=rows.dtype, device=rows.device)
+            return grad_x, grad_gain, None
+        grad_x = torch.empty(x.shape, dtype=x.dtype, device=x.device)
         grad_gain = None
         if gain is not None:
-            grad_gain = torch.zeros(gain.shape, dtype=gain.dtype, device=gain.device)
-        if rows.numel():
-            plan = _plan(rows, grad_y)
-            split = plan.splits > 1
-            incoming_sums, product_sums = _partials(count, plan, means)
-            sizes = (length, plan.segment, plan.splits)
-            strides = (grad_y.stride(0), grad_y.stride(1), rows.stride(0), rows.stride(1))
-            shared = {"acc": acc_dtype(rows.dtype), "block": plan.block, "wide": plan.wide}
-            grid = (count, plan.splits)
-            with on_device(rows.device):
-                if split:
-                    _sums[grid](
-                        grad_y,
-                        rows,
-                        means,
-                        rstds,
-                        incoming_sums,
-                        product_sums,
-                        *sizes,
-                        *strides,
-                        **shared,
-                    )
-                _backward[grid](
-                    grad_y,
+            grad_gain = torch.empty(gain.shape, dtype=gain.dtype, device=gain.device)
+            if plan.empty:
+                grad_gain.zero_()
+        if not plan.empty:
+            rows, (row_stride, stride) = plan.rows(x)
+            incoming = grad_y.contiguous()
+            incoming_sums, product_sums = _partials(plan.count, plan, stats)
+            strides = (plan.length, 1, row_stride, stride)
+            gains = rows if gain is None else gain.contiguous()
+            if plan.split:
+                _SUMS(
+                    plan.backward_kernels[0],
+                    plan.grid,
+                    plan.device,
+                    (incoming, rows, stats, product_sums),
+                    incoming,
                     rows,
-                    gain.contiguous() if gain is not None else rows,
-                    means,
-                    rstds,
+                    stats,
                     incoming_sums,
                     product_sums,
-                    grad_rows,
-                    grad_gain if grad_gain is not None else rows,
-                    *sizes,
+                    *plan.sizes,
                     *strides,
-                    **shared,
-                    has_gain=gain is not None,
-                    split=split,
-                    partials_block=plan.partials_block,
+                    *plan.first_constexprs,
                 )
-        needs_rows, _, needs_gain = ctx.needs_input_grad
-        return grad_rows if needs_rows else None, None, grad_gain if needs_gain else None
+            _BACKWARD(
+                plan.backward_kernels[1],
+                plan.grid,
+                plan.device,
+                (incoming, rows, gains, stats, product_sums),
+                incoming,
+                rows,
+                gains,
+                stats,
+                incoming_sums,
+                product_sums,
+                grad_x,
+                grad_gain if grad_gain is not None else rows,
+                *plan.sizes,
+                *strides,
+                plan.factor_bits,
+                *plan.constexprs,
+            )
+        needs_x, needs_gain = ctx.needs_input_grad[:2]
+        return grad_x if needs_x else None, grad_gain if needs_gain else None, None
 
 
-def standardize_rows(rows: Tensor, eps: float, gain: Tensor | None = None) -> Tensor:
-    r"""``(x - mean) / sqrt(var + eps)`` per row (biased variance), times ``gain`` per row.
+_MOMENTS = Kernel(_moments)
+_FORWARD = Kernel(_forward)
+_SUMS = Kernel(_sums)
+_BACKWARD = Kernel(_backward)
+_APPLY = function_apply(_Standardize)
 
-    One kernel forward and one backward (two each for few long rows); float16/bfloat16 are
-    computed in float32 and rounded once; any strides. A double backward goes through
-    autograd of the plain formula.
 
-    Args:
-        rows: the ``[R, N]`` matrix of weight slices.
-        eps: added to the variance inside the square root.
-        gain: optional ``[R]`` factor per row.
+# --- one launch each way for many weights ---------------------------------------------------
 
-    Returns:
-        The standardized ``[R, N]`` matrix, contiguous, in ``rows``' dtype.
+# A fused plan's entry per weight: its address, its gain's (0: none), row length, where its
+# result starts in the flat output, its first row's index among all rows, eps's and the
+# gain factor's bits, and one unused field (entries of 8: the row table stays aligned).
+_FIELDS = 8
+_MAX_FUSED = 32
+_MAX_GRADIENT_TABLES = 8
+
+
+def fusable(plan: _Plan) -> bool:
+    """Whether a weight of ``plan`` can go in a fused launch: whole rows (few long rows keep
+    their own two launches), read in place as ``[rows, length]`` with a contiguous gain, at
+    least one value."""
+    return (
+        not (plan.split or plan.empty) and plan.strides == (plan.length, 1) and plan.gain_contiguous
+    )
+
+
+class FusedPlan:
+    """Weights of one device and dtype standardized in one launch, and their gradients
+    computed in one: their table on the device, where each result lies in the flat output,
+    and the tables of incoming-gradient addresses met so far.
+
+    Its content is a function of the key it is cached under (the weights' plans and their
+    and their gains' addresses), so it is never stale.
     """
-    tl_dtype(rows.dtype)
-    if rows.ndim != 2:
-        raise ValueError(f"rows must be a 2-D matrix, got shape {list(rows.shape)}")
-    if gain is not None and (gain.shape != (rows.shape[0],) or gain.device != rows.device):
-        raise ValueError(
-            f"gain must have shape [{rows.shape[0]}] on {rows.device}, got "
-            f"{list(gain.shape)} on {gain.device}"
+
+    def __init__(self, plans: tuple[_Plan, ...], tensors: Sequence[Tensor | None]) -> None:
+        entries: list[int] = []
+        row_layers: list[int] = []
+        self.results: list[tuple[tuple[int, ...], tuple[int, ...], int]] = []
+        self.gains: list[tuple[tuple[int, ...], tuple[int, ...], int]] = []
+        numel = rows = block = 0
+        for layer, plan in enumerate(plans):
+            x, gain = tensors[2 * layer], tensors[2 * layer + 1]
+            assert x is not None  # the weights; only gains may be None
+            gain_address = 0 if gain is None else gain.data_ptr()
+            entries += [x.data_ptr(), gain_address, plan.length, numel, rows]
+            entries += [plan.eps_bits, plan.factor_bits, 0]
+            row_layers += [layer] * plan.count
+            self.results.append((tuple(x.shape), _contiguous_strides(x.shape), numel))
+            self.gains.append(((plan.count,), (1,), rows))
+            numel += plan.length * plan.count
+            rows += plan.count
+            block = max(block, plan.constexprs[1])
+        x = tensors[0]
+        assert x is not None
+        self.dtype, self.device = x.dtype, x.device
+        self.device_index = device_index(x.device)
+        self.acc = compute_dtype(x.dtype)
+        self.numel, self.rows = numel, rows
+        self.table = DeviceTable([entries, row_layers], x.device)
+        self.layers, self.row_layers = self.table.parts
+        self.constexprs = (tl_dtype(x.dtype), acc_dtype(x.dtype), block, _FIELDS)
+        self.plans = plans
+        self.forward_kernels: dict[Any, Any] = {}
+        self.backward_kernels: dict[Any, Any] = {}
+        self.gradient_tables: OrderedDict[tuple[int, ...], DeviceTable] = OrderedDict()
+
+    def gradient_table(self, addresses: tuple[int, ...]) -> Tensor:
+        table = self.gradient_tables.get(addresses)
+        if table is None:
+            table = DeviceTable([addresses], self.device)
+            self.gradient_tables[addresses] = table
+            if len(self.gradient_tables) > _MAX_GRADIENT_TABLES:
+                self.gradient_tables.popitem(last=False)
+        table.use_on(current_stream(self.device))
+        return table.storage
+
+
+def _contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
+    strides = []
+    step = 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
+
+
+_fused_plans: OrderedDict[tuple[object, ...], FusedPlan] = OrderedDict()
+
+
+def fused_plan(plans: tuple[_Plan, ...], tensors: Sequence[Tensor | None]) -> FusedPlan:
+    """The fused plan of weights of :func:`fusable` ``plans`` (one device and dtype), whose
+    ``tensors`` are ``x0, gain0, x1, gain1, ...`` (a gain None where there is none)."""
+    key = (plans, tuple([0 if t is None else t.data_ptr() for t in tensors]))
+    found = _fused_plans.get(key)
+    if found is None:
+        found = FusedPlan(plans, tensors)
+        _fused_plans[key] = found
+        if len(_fused_plans) > _MAX_FUSED:
+            _fused_plans.popitem(last=False)
+    return found
+
+
+class _FusedStandardize(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, plan: FusedPlan, *tensors: Tensor | None) -> tuple[Tensor, ...]:
+        # A result that no layer used gets no gradient: None, not zeros, so its weight and
+        # gain get none either, exactly as without fusion.
+        ctx.set_materialize_grads(False)
+        ctx.plan = plan
+        result = torch.empty(plan.numel, dtype=plan.dtype, device=plan.device)
+        stats = torch.empty(2 * plan.rows, dtype=plan.acc, device=plan.device)
+        ctx.save_for_backward(stats, *tensors)
+        plan.table.use_on(current_stream(plan.device))
+        _FUSED_FORWARD(
+            plan.forward_kernels,
+            (plan.rows, 1),
+            plan.device_index,
+            (plan.row_layers,),
+            plan.layers,
+            plan.row_layers,
+            result,
+            stats,
+            *plan.constexprs,
         )
+        view = result.as_strided
+        return tuple([view(*layout) for layout in plan.results])
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Tensor | None) -> tuple[Tensor | None, ...]:
+        stats, *tensors = ctx.saved_tensors
+        plan: FusedPlan = ctx.plan
+        needs = ctx.needs_input_grad
+        result: list[Tensor | None] = [None]
+        if torch.is_grad_enabled():
+            # create_graph: through the plain formula, weight by weight (see _Standardize).
+            for layer, grad in enumerate(grads):
+                x, gain = tensors[2 * layer], tensors[2 * layer + 1]
+                inputs = [t for t in (x, gain) if t is not None and t.requires_grad]
+                if grad is None or not inputs:
+                    result += [None, None]
+                    continue
+                layer_plan = plan.plans[layer]
+                rows = x.reshape(layer_plan.count, layer_plan.length)
+                out = _plain(rows, layer_plan.eps, gain, layer_plan.factor).reshape(x.shape)
+                found = iter(torch.autograd.grad(out, inputs, grad, create_graph=True))
+                result += [
+                    next(found) if t is not None and t.requires_grad else None for t in (x, gain)
+                ]
+            return tuple(result)
+        incoming = [None if grad is None else grad.contiguous() for grad in grads]
+        addresses = tuple([0 if grad is None else grad.data_ptr() for grad in incoming])
+        grad_x = torch.empty(plan.numel, dtype=plan.dtype, device=plan.device)
+        grad_gain = torch.empty(plan.rows, dtype=plan.dtype, device=plan.device)
+        _FUSED_BACKWARD(
+            plan.backward_kernels,
+            (plan.rows, 1),
+            plan.device_index,
+            (plan.row_layers,),
+            plan.layers,
+            plan.row_layers,
+            plan.gradient_table(addresses),
+            stats,
+            grad_x,
+            grad_gain,
+            *plan.constexprs,
+        )
+        x_view, gain_view = grad_x.as_strided, grad_gain.as_strided
+        for layer, grad in enumerate(grads):
+            if grad is None:
+                result += [None, None]
+                continue
+            at = 2 * layer + 1
+            result.append(x_view(*plan.results[layer]) if needs[at] else None)
+            has_gain = tensors[2 * layer + 1] is not None
+            result.append(gain_view(*plan.gains[layer]) if has_gain and needs[at + 1] else None)
+        return tuple(result)
+
+
+_FUSED_FORWARD = Kernel(_fused_forward)
+_FUSED_BACKWARD = Kernel(_fused_backward)
+_FUSED_APPLY = function_apply(_FusedStandardize)
+
+
+def fused_standardizations(plan: FusedPlan, tensors: Sequence[Tensor | None]) -> tuple[Tensor, ...]:
+    """The standardized weights of ``plan``, from their ``x0, gain0, x1, gain1, ...``, in
+    one launch (their gradients in one more), on plain eager tensors."""
+    results: tuple[Tensor, ...] = _FUSED_APPLY(plan, *tensors)
+    return results
+
+
+def _check(x: Tensor, eps: float, gain: Tensor | None) -> None:
+    tl_dtype(x.dtype)
+    if x.ndim < 2:
+        raise ValueError(f"rows must have at least 2 dimensions, got shape {list(x.shape)}")
+    if gain is not None:
+        tl_dtype(gain.dtype)
+        if gain.shape != (x.shape[0],) or gain.device != x.device:
+            raise ValueError(
+                f"gain must have shape [{x.shape[0]}] on {x.device}, got "
+                f"{list(gain.shape)} on {gain.device}"
+            )
     if not eps >= 0:
         raise ValueError(f"eps must be non-negative, got eps={eps}")
-    result: Tensor = _Standardize.apply(rows, float(eps), gain)  # type: ignore[no-untyped-call]
+
+
+def standardize_rows(
+    rows: Tensor, eps: float, gain: Tensor | None = None, factor: float = 1.0
+) -> Tensor:
+    r"""``(x - mean) / sqrt(var + eps)`` per row (biased variance), times ``gain * factor``
+    per row, row ``i`` being ``rows[i]`` flattened.
+
+    One kernel forward and one backward (two each for few long rows); float16/bfloat16 are
+    computed in float32 and rounded once; any strides (a tensor whose rows cannot be read
+    with two strides is copied once each way). ``gain * factor`` is rounded to the gain's
+    dtype, as torch's product would be (Scaled WS's ``gamma / sqrt(fan_in)``). A double
+    backward goes through autograd of the plain formula.
+
+    Args:
+        rows: ``[R, ...]``: a weight whose first axis indexes the standardized slices.
+        eps: added to the variance inside the square root.
+        gain: optional ``[R]`` factor per row.
+        factor: multiplies ``gain``.
+
+    Returns:
+        The standardized tensor, contiguous, in ``rows``' shape and dtype.
+    """
+    result: Tensor = plan(rows, eps, gain, factor).apply(rows, gain)
     return result
