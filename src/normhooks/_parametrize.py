@@ -347,7 +347,7 @@ def refuse_wrapped(
             f"{describe(module, name)} is a DTensor: the model is already sharded by "
             f"fully_shard. Apply {what} before fully_shard"
         )
-    if tensor is not None and _torch_compat.is_fsdp1_flattened(tensor):
+    if tensor is not None and _torch_compat.fsdp1_flattening(tensor) is not None:
         raise ValueError(
             f"{describe(module, name)} was flattened by FullyShardedDataParallel (FSDP1): the "
             f"model is already wrapped. Apply {what} before wrapping"
@@ -363,7 +363,7 @@ def refuse_wrapped(
             )
         if fsdp1 is not None and (
             isinstance(sub, fsdp1)
-            or any(_torch_compat.is_fsdp1_flattened(t) for t in _tensors_of(sub))
+            or any(_torch_compat.fsdp1_flattening(t) is not None for t in _tensors_of(sub))
         ):
             raise ValueError(
                 f"{layer_name(module)} is wrapped by FullyShardedDataParallel (FSDP1). Apply "

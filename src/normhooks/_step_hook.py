@@ -300,7 +300,7 @@ def check_not_flattened(param: Tensor, where: str, technique: str) -> None:
             "use_orig_params=False): one flat tensor holding pieces of every parameter of a "
             f"wrapped module, while {technique} needs the norm of each parameter. " + _USE_FSDP2
         )
-    if flattening == "original":
+    if flattening in ("original", "view"):
         raise ValueError(
             f"{where} is a parameter of a module wrapped by FSDP1 (FullyShardedDataParallel "
             "with use_orig_params=True), a view into FSDP1's flat shard: on more than one rank "

@@ -356,19 +356,27 @@ def fsdp1_possible() -> bool:
     return "torch.distributed.fsdp._flat_param" in sys.modules
 
 
-def fsdp1_flattening(tensor: Tensor) -> str | None:
-    """How FSDP1 flattened ``tensor``: ``"flat"``, ``"original"`` or None (2.11, 2.13).
+def fsdp1_flattening(tensor: object) -> str | None:
+    """How FSDP1 flattened ``tensor``: ``"flat"``, ``"original"``, ``"view"`` or None (2.11,
+    2.13).
 
     FSDP1 (``torch/distributed/fsdp/_flat_param.py``) marks each ``FlatParameter`` with
     ``_is_flat_param`` (which ``isinstance(t, FlatParameter)`` reads) and with
     ``_fsdp_flattened`` (``_common_utils.FSDP_FLATTENED``); with ``use_orig_params=True`` it
     marks the original parameters it flattens with ``_fsdp_flattened`` too, and leaves each
-    of them a view of this rank's piece of the flat shard. Both are instance attributes.
+    of them a view of this rank's piece of the flat shard. Both are instance attributes. With
+    ``use_orig_params=False`` the layers keep plain tensor views of the FlatParameter, whose
+    ``_base`` carries the mark.
     """
+    if not isinstance(tensor, Tensor):
+        return None
     if getattr(tensor, "_is_flat_param", False):
         return "flat"
     if getattr(tensor, "_fsdp_flattened", False):
         return "original"
+    base = tensor._base
+    if base is not None and getattr(base, "_fsdp_flattened", False):
+        return "view"
     return None
 
 
@@ -436,23 +444,6 @@ def fsdp1_type() -> Any:
     """FSDP1's ``FullyShardedDataParallel`` class, or None while nothing has imported it."""
     module = sys.modules.get("torch.distributed.fsdp.fully_sharded_data_parallel")
     return None if module is None else module.FullyShardedDataParallel
-
-
-def is_fsdp1_flattened(tensor: object) -> bool:
-    """Whether FSDP1 flattened ``tensor`` into a FlatParameter, or made it a view of one.
-
-    FSDP1 marks its FlatParameters, and with ``use_orig_params=True`` the original Parameters
-    it re-registers as views, with ``_fsdp_flattened`` (``FSDP_FLATTENED``,
-    torch/distributed/fsdp/_common_utils.py: 2.11, 2.13); with ``use_orig_params=False`` the
-    layers keep plain tensor views of the FlatParameter, whose ``_base`` carries the mark.
-    """
-    if not isinstance(tensor, Tensor):
-        return False
-    base = tensor._base
-    return bool(
-        getattr(tensor, "_fsdp_flattened", False)
-        or (base is not None and getattr(base, "_fsdp_flattened", False))
-    )
 
 
 # The hook class of the legacy ``torch.nn.utils.weight_norm`` (2.11, 2.13): a forward pre-hook
