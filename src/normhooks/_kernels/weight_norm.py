@@ -179,15 +179,9 @@ def _forward(  # type: ignore[no-untyped-def]
         squares = _sum_of_squares(
             v, row, start, end, count, inner, acc, block, row_is_contiguous, wide
         )
-    scale = div(tl.load(g + row).to(acc), _denominator(sqrt(squares, acc), eps, acc), acc)
-    first = start
-    while first < end:
-        k = first + tl.arange(0, block)
-        mask = k < end
-        offsets = _offsets(row, k, count, inner, row_is_contiguous, wide)
-        values = tl.load(v + offsets, mask=mask, other=0.0).to(acc)
-        tl.store(w + offsets, (values * scale).to(w.dtype.element_ty), mask=mask)
-        first += block
+    _write_scaled(
+        v, g, w, row, start, end, count, inner, squares, eps, acc, block, row_is_contiguous, wide
+    )
 
 
 @triton.jit
@@ -248,13 +242,86 @@ def _backward(  # type: ignore[no-untyped-def]
         dot, square = _sums_of_products(
             grad_w, v, row, start, end, count, inner, acc, block, row_is_contiguous, wide
         )
+    _write_gradients(
+        grad_w,
+        v,
+        g,
+        grad_v,
+        grad_g + row,
+        row,
+        start,
+        end,
+        count,
+        inner,
+        dot,
+        square,
+        eps,
+        acc,
+        block,
+        row_is_contiguous,
+        wide,
+    )
+
+
+@triton.jit
+def _write_scaled(  # type: ignore[no-untyped-def]
+    v,
+    g,
+    w,
+    row,
+    start,
+    end,
+    count,
+    inner,
+    squares,
+    eps,
+    acc: tl.constexpr,
+    block: tl.constexpr,
+    row_is_contiguous: tl.constexpr,
+    wide: tl.constexpr,
+):
+    """``w = g v / (||v|| + eps)`` over the row's values ``[start, end)``, from the row's sum
+    of squares."""
+    scale = div(tl.load(g + row).to(acc), _denominator(sqrt(squares, acc), eps, acc), acc)
+    first = start
+    while first < end:
+        k = first + tl.arange(0, block)
+        mask = k < end
+        offsets = _offsets(row, k, count, inner, row_is_contiguous, wide)
+        values = tl.load(v + offsets, mask=mask, other=0.0).to(acc)
+        tl.store(w + offsets, (values * scale).to(w.dtype.element_ty), mask=mask)
+        first += block
+
+
+@triton.jit
+def _write_gradients(  # type: ignore[no-untyped-def]
+    grad_w,
+    v,
+    g,
+    grad_v,
+    grad_g_row,
+    row,
+    start,
+    end,
+    count,
+    inner,
+    dot,
+    square,
+    eps,
+    acc: tl.constexpr,
+    block: tl.constexpr,
+    row_is_contiguous: tl.constexpr,
+    wide: tl.constexpr,
+):
+    """The row's gradients from its sums of ``W' v`` and ``v v``: ``grad_g_row`` (from the
+    program of the row's first segment) and ``grad_v`` over ``[start, end)``."""
     norm = sqrt(square, acc)
     denominator = _denominator(norm, eps, acc)
     safe_norm = tl.where(norm > 0.0, norm, 1.0).to(acc)
     scale = div(tl.load(g + row).to(acc), denominator, acc)
     coefficient = -div(scale * dot, denominator * safe_norm, acc)
-    grad = div(dot, denominator, acc).to(grad_g.dtype.element_ty)
-    tl.store(grad_g + row, grad, mask=tl.program_id(1) == 0)
+    grad = div(dot, denominator, acc).to(grad_g_row.dtype.element_ty)
+    tl.store(grad_g_row, grad, mask=tl.program_id(1) == 0)
     first = start
     while first < end:
         k = first + tl.arange(0, block)
@@ -268,57 +335,90 @@ def _backward(  # type: ignore[no-untyped-def]
 
 
 @triton.jit
-def _write_scaled(  # type: ignore[no-untyped-def]
+def _normalize_row(  # type: ignore[no-untyped-def]
     v,
+    g,
     w,
     row,
-    start,
-    end,
+    length,
     count,
     inner,
-    scale,
+    eps,
     acc: tl.constexpr,
     block: tl.constexpr,
     row_is_contiguous: tl.constexpr,
 ):
-    """``w = v * scale`` over the row's values ``[start, end)`` (64-bit offsets)."""
-    first = start
-    while first < end:
-        k = first + tl.arange(0, block)
-        mask = k < end
-        offsets = _offsets(row, k, count, inner, row_is_contiguous, True)
-        values = tl.load(v + offsets, mask=mask, other=0.0).to(acc)
-        tl.store(w + offsets, (values * scale).to(w.dtype.element_ty), mask=mask)
-        first += block
+    """A whole row's weight, in one program (64-bit offsets)."""
+    start = length * 0
+    squares = _sum_of_squares(
+        v, row, start, length, count, inner, acc, block, row_is_contiguous, True
+    )
+    _write_scaled(
+        v, g, w, row, start, length, count, inner, squares, eps, acc, block, row_is_contiguous, True
+    )
 
 
 @triton.jit
-def _write_gradient(  # type: ignore[no-untyped-def]
+def _row_gradients(  # type: ignore[no-untyped-def]
     grad_w,
     v,
+    g,
     grad_v,
+    grad_g_row,
     row,
-    start,
-    end,
+    length,
     count,
     inner,
-    scale,
-    coefficient,
+    eps,
     acc: tl.constexpr,
     block: tl.constexpr,
     row_is_contiguous: tl.constexpr,
 ):
-    """``grad_v = W' scale + v coefficient`` over the row's values (64-bit offsets)."""
-    first = start
-    while first < end:
-        k = first + tl.arange(0, block)
-        mask = k < end
-        offsets = _offsets(row, k, count, inner, row_is_contiguous, True)
-        values = tl.load(v + offsets, mask=mask, other=0.0).to(acc)
-        incoming = tl.load(grad_w + offsets, mask=mask, other=0.0).to(acc)
-        result = incoming * scale + values * coefficient
-        tl.store(grad_v + offsets, result.to(grad_v.dtype.element_ty), mask=mask)
-        first += block
+    """A whole row's gradients, in one program (64-bit offsets)."""
+    start = length * 0
+    dot, square = _sums_of_products(
+        grad_w, v, row, start, length, count, inner, acc, block, row_is_contiguous, True
+    )
+    _write_gradients(
+        grad_w,
+        v,
+        g,
+        grad_v,
+        grad_g_row,
+        row,
+        start,
+        length,
+        count,
+        inner,
+        dot,
+        square,
+        eps,
+        acc,
+        block,
+        row_is_contiguous,
+        True,
+    )
+
+
+@triton.jit
+def _fused_entry(layers, layer, index, dtype: tl.constexpr, fields: tl.constexpr):  # type: ignore[no-untyped-def]
+    """Program ``index``'s layer's entry in a fused plan's table (see :data:`_FIELDS`): the
+    layer's v and g, its sizes, where its weight starts in the flat output, eps's bits and
+    the program's row of the layer."""
+    entry = layers + layer * fields
+    v = tl.load(entry).to(tl.pointer_type(dtype))
+    g = tl.load(entry + 1).to(tl.pointer_type(dtype))
+    row = index - tl.load(entry + 6)
+    return (
+        v,
+        g,
+        tl.load(entry + 2),
+        tl.load(entry + 3),
+        tl.load(entry + 4),
+        tl.load(entry + 5),
+        tl.load(entry + 7),
+        row,
+    )
 
 
 @triton.jit
@@ -331,29 +431,16 @@ def _fused_forward(  # type: ignore[no-untyped-def]
     block: tl.constexpr,
     fields: tl.constexpr,
 ):
-    """Every row of every layer of a fused plan, one program each: a layer's entry in
-    ``layers`` holds the addresses of its v and g, its sizes, where its weight starts in the
-    flat ``w``, its first row's index among all rows, and ``eps``'s bits."""
+    """Every row of every layer of a fused plan, one program each, each finding its layer's
+    tensors through the table ``layers`` (:func:`_fused_entry`)."""
     index = tl.program_id(0).to(tl.int64)
-    entry = layers + tl.load(row_layers + index) * fields
-    v = tl.load(entry).to(tl.pointer_type(dtype))
-    g = tl.load(entry + 1).to(tl.pointer_type(dtype))
-    length = tl.load(entry + 2)
-    count = tl.load(entry + 3)
-    inner = tl.load(entry + 4)
-    out = w + tl.load(entry + 5)
-    row = index - tl.load(entry + 6)
-    eps = tl.load(entry + 7)
-    start = length * 0
+    layer = tl.load(row_layers + index)
+    v, g, length, count, inner, at, eps, row = _fused_entry(layers, layer, index, dtype, fields)
+    # Contiguous rows, the common case, index without a division.
     if length == inner:
-        squares = _sum_of_squares(v, row, start, length, count, inner, acc, block, True, True)
+        _normalize_row(v, g, w + at, row, length, count, inner, eps, acc, block, True)
     else:
-        squares = _sum_of_squares(v, row, start, length, count, inner, acc, block, False, True)
-    scale = div(tl.load(g + row).to(acc), _denominator(sqrt(squares, acc), eps, acc), acc)
-    if length == inner:
-        _write_scaled(v, out, row, start, length, count, inner, scale, acc, block, True)
-    else:
-        _write_scaled(v, out, row, start, length, count, inner, scale, acc, block, False)
+        _normalize_row(v, g, w + at, row, length, count, inner, eps, acc, block, False)
 
 
 @triton.jit
@@ -375,62 +462,15 @@ def _fused_backward(  # type: ignore[no-untyped-def]
     address = tl.load(grads + layer)
     if address != 0:
         grad_w = address.to(tl.pointer_type(dtype))
-        entry = layers + layer * fields
-        v = tl.load(entry).to(tl.pointer_type(dtype))
-        g = tl.load(entry + 1).to(tl.pointer_type(dtype))
-        length = tl.load(entry + 2)
-        count = tl.load(entry + 3)
-        inner = tl.load(entry + 4)
-        at = tl.load(entry + 5)
-        row = index - tl.load(entry + 6)
-        eps = tl.load(entry + 7)
-        start = length * 0
+        v, g, length, count, inner, at, eps, row = _fused_entry(layers, layer, index, dtype, fields)
+        out, gain_out = grad_v + at, grad_g + index
         if length == inner:
-            dot, square = _sums_of_products(
-                grad_w, v, row, start, length, count, inner, acc, block, True, True
+            _row_gradients(
+                grad_w, v, g, out, gain_out, row, length, count, inner, eps, acc, block, True
             )
         else:
-            dot, square = _sums_of_products(
-                grad_w, v, row, start, length, count, inner, acc, block, False, True
-            )
-        norm = sqrt(square, acc)
-        denominator = _denominator(norm, eps, acc)
-        safe_norm = tl.where(norm > 0.0, norm, 1.0).to(acc)
-        scale = div(tl.load(g + row).to(acc), denominator, acc)
-        coefficient = -div(scale * dot, denominator * safe_norm, acc)
-        tl.store(grad_g + index, div(dot, denominator, acc).to(grad_g.dtype.element_ty))
-        out = grad_v + at
-        if length == inner:
-            _write_gradient(
-                grad_w,
-                v,
-                out,
-                row,
-                start,
-                length,
-                count,
-                inner,
-                scale,
-                coefficient,
-                acc,
-                block,
-                True,
-            )
-        else:
-            _write_gradient(
-                grad_w,
-                v,
-                out,
-                row,
-                start,
-                length,
-                count,
-                inner,
-                scale,
-                coefficient,
-                acc,
-                block,
-                False,
+            _row_gradients(
+                grad_w, v, g, out, gain_out, row, length, count, inner, eps, acc, block, False
             )
 
 

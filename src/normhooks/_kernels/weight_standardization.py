@@ -138,11 +138,108 @@ def _moments(  # type: ignore[no-untyped-def]
 
 
 @triton.jit
-def _scale(gain, row, factor, acc: tl.constexpr):  # type: ignore[no-untyped-def]
-    """A row's gain times ``factor``, rounded to the gain's dtype: what ``gain * factor`` in
-    torch gives (Scaled WS's ``gamma / sqrt(fan_in)``), in the compute dtype."""
+def _times(rstd, gain, row, factor, acc: tl.constexpr):  # type: ignore[no-untyped-def]
+    """What multiplies a row's centred values: ``rstd`` times the row's gain times ``factor``,
+    that product rounded to the gain's dtype as ``gain * factor`` in torch gives it (Scaled WS's
+    ``gamma / sqrt(fan_in)``)."""
     scaled = tl.load(gain + row).to(acc) * as_float(factor, acc)
-    return scaled.to(gain.dtype.element_ty).to(acc)
+    return rstd * scaled.to(gain.dtype.element_ty).to(acc)
+
+
+@triton.jit
+def _whole_row_moments(  # type: ignore[no-untyped-def]
+    x_row, x_stride, start, end, eps, acc: tl.constexpr, block: tl.constexpr
+):
+    """The mean and ``1 / sqrt(variance + eps)`` of a row read whole, ``[start, end)``, in one
+    program."""
+    length = (end - start).to(acc)
+    mean = div(_sum(x_row, x_stride, start, end, acc, block), length, acc)
+    spread = _centred_squares(x_row, x_stride, start, end, mean, acc, block)
+    return mean, _rstd(div(spread, length, acc), eps, acc)
+
+
+@triton.jit
+def _rstd(variance, eps, acc: tl.constexpr):  # type: ignore[no-untyped-def]
+    return div(1.0, sqrt(variance + as_float(eps, acc), acc), acc)
+
+
+@triton.jit
+def _write_standardized(  # type: ignore[no-untyped-def]
+    x_row,
+    x_stride,
+    y_row,
+    stats,
+    at,
+    start,
+    end,
+    mean,
+    rstd,
+    times,
+    acc: tl.constexpr,
+    block: tl.constexpr,
+):
+    """``y = (x - mean) times`` over the row's values ``[start, end)``; the program of the
+    row's first segment saves its mean and ``rstd`` at ``at`` in ``stats`` (every row's
+    mean, then every row's ``rstd``: one ``[2, rows]`` buffer)."""
+    first = start
+    while first < end:
+        k = first + tl.arange(0, block)
+        mask = k < end
+        centred = tl.load(x_row + k * x_stride, mask=mask, other=0.0).to(acc) - mean
+        tl.store(y_row + k, (centred * times).to(y_row.dtype.element_ty), mask=mask)
+        first += block
+    first_part = tl.program_id(1) == 0
+    tl.store(stats + at, mean, mask=first_part)
+    tl.store(stats + tl.num_programs(0) + at, rstd, mask=first_part)
+
+
+@triton.jit
+def _saved_stats(stats, at):  # type: ignore[no-untyped-def]
+    """The mean and ``rstd`` that :func:`_write_standardized` saved at ``at``."""
+    return tl.load(stats + at), tl.load(stats + tl.num_programs(0) + at)
+
+
+@triton.jit
+def _write_gain_gradient(grad_gain_row, product_sum, factor, acc: tl.constexpr):  # type: ignore[no-untyped-def]
+    """d/d gain of ``gain * factor``, as torch's autograd of that product computes it: the
+    gradient of the scaled gain, rounded, times factor, rounded (from the program of the
+    row's first segment)."""
+    dtype = grad_gain_row.dtype.element_ty
+    grad = product_sum.to(dtype).to(acc) * as_float(factor, acc)
+    tl.store(grad_gain_row, grad.to(dtype), mask=tl.program_id(1) == 0)
+
+
+@triton.jit
+def _write_gradient(  # type: ignore[no-untyped-def]
+    x_row,
+    dy_row,
+    x_stride,
+    dy_stride,
+    grad_x_row,
+    start,
+    end,
+    length,
+    mean,
+    rstd,
+    times,
+    incoming_sum,
+    product_sum,
+    acc: tl.constexpr,
+    block: tl.constexpr,
+):
+    """``grad_x`` over the row's values ``[start, end)``, from the row's sums of ``y'_in``
+    and ``y'_in x-hat``."""
+    incoming_mean = div(incoming_sum, length.to(acc), acc)
+    product_mean = div(product_sum, length.to(acc), acc)
+    first = start
+    while first < end:
+        k = first + tl.arange(0, block)
+        mask = k < end
+        normalized = (tl.load(x_row + k * x_stride, mask=mask, other=0.0).to(acc) - mean) * rstd
+        incoming = tl.load(dy_row + k * dy_stride, mask=mask, other=0.0).to(acc)
+        result = times * (incoming - incoming_mean - normalized * product_mean)
+        tl.store(grad_x_row + k, result.to(grad_x_row.dtype.element_ty), mask=mask)
+        first += block
 
 
 @triton.jit(do_not_specialize=["eps", "factor", "length"])
@@ -182,26 +279,15 @@ def _forward(  # type: ignore[no-untyped-def]
         deviations = div(totals, sizes, acc) - mean
         about_own = tl.load(squares + row * splits + part, mask=present, other=0.0)
         spread = tl.where(present, about_own + sizes * deviations * deviations, 0.0)
-        variance = div(tl.sum(spread, axis=0), length.to(acc), acc)
+        rstd = _rstd(div(tl.sum(spread, axis=0), length.to(acc), acc), eps, acc)
     else:
-        mean = div(_sum(x_row, x_stride, start, end, acc, block), length.to(acc), acc)
-        spread = _centred_squares(x_row, x_stride, start, end, mean, acc, block)
-        variance = div(spread, length.to(acc), acc)
-    rstd = div(1.0, sqrt(variance + as_float(eps, acc), acc), acc)
+        mean, rstd = _whole_row_moments(x_row, x_stride, start, end, eps, acc, block)
     times = rstd
     if has_gain:
-        times = rstd * _scale(gain, row, factor, acc)
-    first = start
-    while first < end:
-        k = first + tl.arange(0, block)
-        mask = k < end
-        centred = tl.load(x_row + k * x_stride, mask=mask, other=0.0).to(acc) - mean
-        tl.store(y + row * length + k, (centred * times).to(y.dtype.element_ty), mask=mask)
-        first += block
-    # The means, then the reciprocal standard deviations: one [2, rows] buffer.
-    first_part = tl.program_id(1) == 0
-    tl.store(stats + row, mean, mask=first_part)
-    tl.store(stats + tl.num_programs(0) + row, rstd, mask=first_part)
+        times = _times(rstd, gain, row, factor, acc)
+    _write_standardized(
+        x_row, x_stride, y + row * length, stats, row, start, end, mean, rstd, times, acc, block
+    )
 
 
 @triton.jit(do_not_specialize=["length"])
@@ -225,6 +311,7 @@ def _sums(  # type: ignore[no-untyped-def]
     """A split row's first launch backward: each segment's sums of y'_in and y'_in x-hat."""
     row = tl.program_id(0).to(tl.int64)
     start, end = segment_bounds(length, segment, wide)
+    mean, rstd = _saved_stats(stats, row)
     incoming, product = _gradient_sums(
         x + row * x_row_stride,
         grad_y + row * dy_row_stride,
@@ -232,8 +319,8 @@ def _sums(  # type: ignore[no-untyped-def]
         dy_stride,
         start,
         end,
-        tl.load(stats + row),
-        tl.load(stats + tl.num_programs(0) + row),
+        mean,
+        rstd,
         acc,
         block,
     )
@@ -270,8 +357,7 @@ def _backward(  # type: ignore[no-untyped-def]
     row = tl.program_id(0).to(tl.int64)
     x_row = x + row * x_row_stride
     dy_row = grad_y + row * dy_row_stride
-    mean = tl.load(stats + row)
-    rstd = tl.load(stats + tl.num_programs(0) + row)
+    mean, rstd = _saved_stats(stats, row)
     start, end = segment_bounds(length, segment, wide)
     if split:
         incoming_sum = row_partials(incoming_sums, row, splits, partials_block)
@@ -282,22 +368,38 @@ def _backward(  # type: ignore[no-untyped-def]
         )
     times = rstd
     if has_gain:
-        times = rstd * _scale(gain, row, factor, acc)
-        # d/d gain of gain * factor, as torch's autograd of that product computes it: the
-        # gradient of the scaled gain, rounded, times factor, rounded.
-        grad = product_sum.to(grad_gain.dtype.element_ty).to(acc) * as_float(factor, acc)
-        tl.store(grad_gain + row, grad.to(grad_gain.dtype.element_ty), mask=tl.program_id(1) == 0)
-    incoming_mean = div(incoming_sum, length.to(acc), acc)
-    product_mean = div(product_sum, length.to(acc), acc)
-    first = start
-    while first < end:
-        k = first + tl.arange(0, block)
-        mask = k < end
-        normalized = (tl.load(x_row + k * x_stride, mask=mask, other=0.0).to(acc) - mean) * rstd
-        incoming = tl.load(dy_row + k * dy_stride, mask=mask, other=0.0).to(acc)
-        result = times * (incoming - incoming_mean - normalized * product_mean)
-        tl.store(grad_x + row * length + k, result.to(grad_x.dtype.element_ty), mask=mask)
-        first += block
+        times = _times(rstd, gain, row, factor, acc)
+        _write_gain_gradient(grad_gain + row, product_sum, factor, acc)
+    _write_gradient(
+        x_row,
+        dy_row,
+        x_stride,
+        dy_stride,
+        grad_x + row * length,
+        start,
+        end,
+        length,
+        mean,
+        rstd,
+        times,
+        incoming_sum,
+        product_sum,
+        acc,
+        block,
+    )
+
+
+@triton.jit
+def _fused_entry(layers, layer, index, dtype: tl.constexpr, fields: tl.constexpr):  # type: ignore[no-untyped-def]
+    """Program ``index``'s weight's entry in a fused plan's table (see :data:`_FIELDS`): the
+    address of the program's row, its gain's (0 for none), the row length, where the row's
+    result starts in the flat output, and the bits of ``eps`` and of the gain's factor."""
+    entry = layers + layer * fields
+    length = tl.load(entry + 2)
+    row = index - tl.load(entry + 4)
+    x_row = tl.load(entry).to(tl.pointer_type(dtype)) + row * length
+    at = tl.load(entry + 3) + row * length
+    return x_row, row, tl.load(entry + 1), length, at, tl.load(entry + 5), tl.load(entry + 6)
 
 
 @triton.jit
@@ -311,36 +413,20 @@ def _fused_forward(  # type: ignore[no-untyped-def]
     block: tl.constexpr,
     fields: tl.constexpr,
 ):
-    """Every row of every weight of a fused plan, one program each: a weight's entry in
-    ``layers`` holds its address, its gain's (0 for none), its row length, where its result
-    starts in the flat ``y``, its first row's index among all rows, and the bits of ``eps``
-    and of the gain's factor. ``stats``: every row's mean, then every row's 1/std."""
+    """Every row of every weight of a fused plan, one program each, each finding its weight
+    and gain through the table ``layers`` (:func:`_fused_entry`). ``stats``: every row's
+    mean, then every row's 1/std."""
     index = tl.program_id(0).to(tl.int64)
-    entry = layers + tl.load(row_layers + index) * fields
-    x = tl.load(entry).to(tl.pointer_type(dtype))
-    gain = tl.load(entry + 1)
-    length = tl.load(entry + 2)
-    out = y + tl.load(entry + 3)
-    row = index - tl.load(entry + 4)
-    eps = tl.load(entry + 5)
-    factor = tl.load(entry + 6)
-    x_row = x + row * length
+    layer = tl.load(row_layers + index)
+    x_row, row, gain, length, at, eps, factor = _fused_entry(layers, layer, index, dtype, fields)
     start = length * 0
-    mean = div(_sum(x_row, 1, start, length, acc, block), length.to(acc), acc)
-    spread = _centred_squares(x_row, 1, start, length, mean, acc, block)
-    rstd = div(1.0, sqrt(div(spread, length.to(acc), acc) + as_float(eps, acc), acc), acc)
+    mean, rstd = _whole_row_moments(x_row, 1, start, length, eps, acc, block)
     times = rstd
     if gain != 0:
-        times = rstd * _scale(gain.to(tl.pointer_type(dtype)), row, factor, acc)
-    first = start
-    while first < length:
-        k = first + tl.arange(0, block)
-        mask = k < length
-        centred = tl.load(x_row + k, mask=mask, other=0.0).to(acc) - mean
-        tl.store(out + row * length + k, (centred * times).to(dtype), mask=mask)
-        first += block
-    tl.store(stats + index, mean)
-    tl.store(stats + tl.num_programs(0) + index, rstd)
+        times = _times(rstd, gain.to(tl.pointer_type(dtype)), row, factor, acc)
+    _write_standardized(
+        x_row, 1, y + at, stats, index, length * 0, length, mean, rstd, times, acc, block
+    )
 
 
 @triton.jit
@@ -362,39 +448,34 @@ def _fused_backward(  # type: ignore[no-untyped-def]
     layer = tl.load(row_layers + index)
     address = tl.load(grads + layer)
     if address != 0:
-        entry = layers + layer * fields
-        x = tl.load(entry).to(tl.pointer_type(dtype))
-        gain = tl.load(entry + 1)
-        length = tl.load(entry + 2)
-        at = tl.load(entry + 3)
-        row = index - tl.load(entry + 4)
-        factor = tl.load(entry + 6)
-        x_row = x + row * length
+        x_row, row, gain, length, at, _, factor = _fused_entry(layers, layer, index, dtype, fields)
         dy_row = address.to(tl.pointer_type(dtype)) + row * length
-        mean = tl.load(stats + index)
-        rstd = tl.load(stats + tl.num_programs(0) + index)
+        mean, rstd = _saved_stats(stats, index)
         start = length * 0
         incoming_sum, product_sum = _gradient_sums(
             x_row, dy_row, 1, 1, start, length, mean, rstd, acc, block
         )
         times = rstd
         if gain != 0:
-            times = rstd * _scale(gain.to(tl.pointer_type(dtype)), row, factor, acc)
-            # As in _backward: the scaled gain's gradient, rounded, times factor, rounded.
-            grad = product_sum.to(dtype).to(acc) * as_float(factor, acc)
-            tl.store(grad_gain + index, grad.to(dtype))
-        incoming_mean = div(incoming_sum, length.to(acc), acc)
-        product_mean = div(product_sum, length.to(acc), acc)
-        out = grad_x + at + row * length
-        first = start
-        while first < length:
-            k = first + tl.arange(0, block)
-            mask = k < length
-            normalized = (tl.load(x_row + k, mask=mask, other=0.0).to(acc) - mean) * rstd
-            incoming = tl.load(dy_row + k, mask=mask, other=0.0).to(acc)
-            result = times * (incoming - incoming_mean - normalized * product_mean)
-            tl.store(out + k, result.to(dtype), mask=mask)
-            first += block
+            times = _times(rstd, gain.to(tl.pointer_type(dtype)), row, factor, acc)
+            _write_gain_gradient(grad_gain + index, product_sum, factor, acc)
+        _write_gradient(
+            x_row,
+            dy_row,
+            1,
+            1,
+            grad_x + at,
+            start,
+            length,
+            length,
+            mean,
+            rstd,
+            times,
+            incoming_sum,
+            product_sum,
+            acc,
+            block,
+        )
 
 
 def _plain(rows: Tensor, eps: float, gain: Tensor | None, factor: float) -> Tensor:
