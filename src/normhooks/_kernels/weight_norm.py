@@ -24,7 +24,6 @@ addresses on the device (``normhooks._fusion`` decides which layers).
 from __future__ import annotations
 
 import math
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -33,13 +32,12 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from normhooks._kernels import _fused
 from normhooks._kernels._common import (
-    DeviceTable,
     RowPlan,
     acc_dtype,
     as_float,
     bits,
-    current_stream,
     device_index,
     div,
     remember,
@@ -498,7 +496,9 @@ class _Plan:
 
     __slots__ = (
         "backward_kernels",
+        "block",
         "constexprs",
+        "count",
         "device",
         "dim",
         "empty",
@@ -520,6 +520,7 @@ class _Plan:
     ) -> None:
         length, count, inner, row_contiguous, plan = _layout(v, dim)
         self.dim, self.eps, self.plain = dim, eps, plain
+        self.count, self.block = count, plan.block
         self.empty = count == 0
         self.split = plan.splits > 1
         self.grid = (count, plan.splits)
@@ -547,6 +548,10 @@ class _Plan:
         """:func:`weight_norm` of a layer of this plan, on plain eager tensors."""
         result: Tensor = _APPLY(g, v, self)
         return result
+
+    def differentiable(self, g: Tensor, v: Tensor | None) -> Tensor:
+        """The layer's weight through the caller's formula in differentiable torch ops."""
+        return self.plain(g, v, self.dim, self.eps)
 
 
 _plans: dict[tuple[object, ...], _Plan] = {}
@@ -610,15 +615,7 @@ class _WeightNorm(torch.autograd.Function):
         g, v = ctx.saved_tensors
         plan: _Plan = ctx.plan
         if torch.is_grad_enabled():
-            # create_graph: the kernel's backward is not itself differentiable, so recompute
-            # through the plain formula, whose graph is (the saved inputs keep their history).
-            wanted = [t for t in (g, v) if t.requires_grad]
-            grads = iter(
-                torch.autograd.grad(
-                    plan.plain(g, v, plan.dim, plan.eps), wanted, grad_w, create_graph=True
-                )
-            )
-            return (*(next(grads) if t.requires_grad else None for t in (g, v)), None)
+            return (*_fused.differentiable_grads(plan, (g, v), grad_w), None)
         contiguous = v if plan.v_contiguous else v.contiguous()
         grad_v = torch.empty_like(contiguous)
         grad_g = torch.empty(g.shape, dtype=g.dtype, device=g.device)
@@ -674,15 +671,6 @@ _APPLY = function_apply(_WeightNorm)
 
 # --- one launch each way for many layers ----------------------------------------------------
 
-# A fused plan's entry per layer: v's and g's addresses, length, count, inner, where the
-# layer's weight starts in the flat output, its first row's index among all rows, eps's bits.
-_FIELDS = 8
-# Fused plans kept (each holds a table on the device), and tables of incoming-gradient
-# addresses per plan: a training loop meets one set each way, the allocator reusing the
-# same blocks step after step.
-_MAX_FUSED = 32
-_MAX_GRADIENT_TABLES = 8
-
 
 def fusable(plan: _Plan) -> bool:
     """Whether a layer of ``plan`` can go in a fused launch: whole rows (few long rows keep
@@ -690,150 +678,44 @@ def fusable(plan: _Plan) -> bool:
     return not (plan.split or plan.empty) and plan.v_contiguous and plan.g_contiguous
 
 
-class FusedPlan:
-    """Layers of one device and dtype whose weights are computed in one launch, and their
-    gradients in one: their table on the device, where each weight lies in the flat output,
-    and the tables of incoming-gradient addresses met so far.
+class FusedPlan(_fused.FusedPlan[_Plan]):
+    """Layers whose weights are computed in one launch, and their gradients in one, from
+    their ``g0, v0, g1, v1, ...`` (see :class:`normhooks._kernels._fused.FusedPlan`)."""
 
-    Its content is a function of the key it is cached under (the layers' plans and their
-    g's and v's addresses), so it is never stale.
-    """
+    gain_at = 0
 
-    def __init__(self, plans: tuple[_Plan, ...], tensors: Sequence[Tensor]) -> None:
-        entries: list[int] = []
-        row_layers: list[int] = []
-        self.weights: list[tuple[tuple[int, ...], tuple[int, ...], int]] = []
-        self.gains: list[tuple[tuple[int, ...], tuple[int, ...], int]] = []
-        numel = rows = block = 0
-        for layer, plan in enumerate(plans):
-            g, v = tensors[2 * layer], tensors[2 * layer + 1]
-            length, count, inner = plan.sizes[:3]
-            entries += [v.data_ptr(), g.data_ptr(), length, count, inner, numel, rows]
-            entries.append(plan.eps_bits)
-            row_layers += [layer] * count
-            self.weights.append((tuple(v.shape), v.stride(), numel))
-            self.gains.append((tuple(g.shape), g.stride(), rows))
-            numel += length * count
-            rows += count
-            block = max(block, plan.constexprs[1])
-        v = tensors[1]
-        self.dtype, self.device = v.dtype, v.device
-        self.device_index = device_index(v.device)
-        self.numel, self.rows = numel, rows
-        self.table = DeviceTable([entries, row_layers], v.device)
-        self.layers, self.row_layers = self.table.parts
-        self.constexprs = (tl_dtype(v.dtype), acc_dtype(v.dtype), block, _FIELDS)
-        self.plans = plans
-        self.forward_kernels: dict[Any, Any] = {}
-        self.backward_kernels: dict[Any, Any] = {}
-        self.gradient_tables: OrderedDict[tuple[int, ...], DeviceTable] = OrderedDict()
+    def entry(
+        self, plan: _Plan, g: Tensor | None, v: Tensor | None, numel: int, rows: int
+    ) -> tuple[list[int], _fused.Strided, _fused.Strided]:
+        """v's and g's addresses, length, count, inner, where the layer's weight starts in
+        the flat output, its first row's index among all rows, eps's bits (read by
+        :func:`_fused_entry`); the weight is laid out as v, as the layer's own launch gives it."""
+        # Only a weight standardization's gain may be None.
+        assert g is not None
+        assert v is not None
+        length, count, inner = plan.sizes[:3]
+        entry = [v.data_ptr(), g.data_ptr(), length, count, inner, numel, rows, plan.eps_bits]
+        return entry, (tuple(v.shape), v.stride()), (tuple(g.shape), g.stride())
 
-    def gradient_table(self, addresses: tuple[int, ...]) -> Tensor:
-        table = self.gradient_tables.get(addresses)
-        if table is None:
-            table = DeviceTable([addresses], self.device)
-            self.gradient_tables[addresses] = table
-            if len(self.gradient_tables) > _MAX_GRADIENT_TABLES:
-                self.gradient_tables.popitem(last=False)
-        table.use_on(current_stream(self.device))
-        return table.storage
-
-
-_fused_plans: OrderedDict[tuple[object, ...], FusedPlan] = OrderedDict()
+    def kernels(self) -> tuple[Kernel, Kernel]:
+        return _FUSED_FORWARD, _FUSED_BACKWARD
 
 
 def fused_plan(plans: tuple[_Plan, ...], tensors: Sequence[Tensor]) -> FusedPlan:
     """The fused plan of layers of :func:`fusable` ``plans`` (one device and dtype), whose
     ``tensors`` are ``g0, v0, g1, v1, ...``."""
-    key = (plans, tuple([t.data_ptr() for t in tensors]))
-    found = _fused_plans.get(key)
-    if found is None:
-        found = FusedPlan(plans, tensors)
-        _fused_plans[key] = found
-        if len(_fused_plans) > _MAX_FUSED:
-            _fused_plans.popitem(last=False)
+    found: FusedPlan = FusedPlan.find(plans, tensors)
     return found
-
-
-class _FusedWeightNorm(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, plan: FusedPlan, *tensors: Tensor) -> tuple[Tensor, ...]:
-        # An output that no layer used gets no gradient: None, not zeros, so its g and v get
-        # none either, exactly as without fusion.
-        ctx.set_materialize_grads(False)
-        ctx.plan = plan
-        ctx.save_for_backward(*tensors)
-        weight = torch.empty(plan.numel, dtype=plan.dtype, device=plan.device)
-        plan.table.use_on(current_stream(plan.device))
-        _FUSED_FORWARD(
-            plan.forward_kernels,
-            (plan.rows, 1),
-            plan.device_index,
-            (plan.row_layers,),
-            plan.layers,
-            plan.row_layers,
-            weight,
-            *plan.constexprs,
-        )
-        view = weight.as_strided
-        return tuple([view(*layout) for layout in plan.weights])
-
-    @staticmethod
-    def backward(ctx: Any, *grads: Tensor | None) -> tuple[Tensor | None, ...]:
-        tensors = ctx.saved_tensors
-        plan: FusedPlan = ctx.plan
-        needs = ctx.needs_input_grad
-        result: list[Tensor | None] = [None]
-        if torch.is_grad_enabled():
-            # create_graph: through the plain formula, layer by layer (see _WeightNorm).
-            for layer, grad in enumerate(grads):
-                g, v = tensors[2 * layer], tensors[2 * layer + 1]
-                wanted = [t for t in (g, v) if t.requires_grad] if grad is not None else []
-                if not wanted:
-                    result += [None, None]
-                    continue
-                layer_plan = plan.plans[layer]
-                weight = layer_plan.plain(g, v, layer_plan.dim, layer_plan.eps)
-                found = iter(torch.autograd.grad(weight, wanted, grad, create_graph=True))
-                result += [next(found) if t.requires_grad else None for t in (g, v)]
-            return tuple(result)
-        incoming = [None if grad is None else grad.contiguous() for grad in grads]
-        addresses = tuple([0 if grad is None else grad.data_ptr() for grad in incoming])
-        grad_v = torch.empty(plan.numel, dtype=plan.dtype, device=plan.device)
-        grad_g = torch.empty(plan.rows, dtype=plan.dtype, device=plan.device)
-        _FUSED_BACKWARD(
-            plan.backward_kernels,
-            (plan.rows, 1),
-            plan.device_index,
-            (plan.row_layers,),
-            plan.layers,
-            plan.row_layers,
-            plan.gradient_table(addresses),
-            grad_v,
-            grad_g,
-            *plan.constexprs,
-        )
-        g_view, v_view = grad_g.as_strided, grad_v.as_strided
-        for layer, grad in enumerate(grads):
-            if grad is None:
-                result += [None, None]
-                continue
-            at = 2 * layer + 1
-            result.append(g_view(*plan.gains[layer]) if needs[at] else None)
-            result.append(v_view(*plan.weights[layer]) if needs[at + 1] else None)
-        return tuple(result)
 
 
 _FUSED_FORWARD = Kernel(_fused_forward)
 _FUSED_BACKWARD = Kernel(_fused_backward)
-_FUSED_APPLY = function_apply(_FusedWeightNorm)
 
 
 def fused_weight_norms(plan: FusedPlan, tensors: Sequence[Tensor]) -> tuple[Tensor, ...]:
     """The weights of the layers of ``plan``, from their ``g0, v0, g1, v1, ...``, in one
     launch (their gradients in one more), on plain eager tensors."""
-    weights: tuple[Tensor, ...] = _FUSED_APPLY(plan, *tensors)
-    return weights
+    return _fused.fused_results(plan, tensors)
 
 
 def _check(g: Tensor, v: Tensor, dim: int, eps: float) -> None:

@@ -23,7 +23,6 @@ table of addresses on the device (``normhooks._fusion`` decides which weights).
 from __future__ import annotations
 
 import math
-from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
@@ -32,12 +31,11 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from normhooks._kernels import _fused
 from normhooks._kernels._common import (
-    DeviceTable,
     acc_dtype,
     as_float,
     bits,
-    current_stream,
     device_index,
     div,
     extent,
@@ -514,6 +512,7 @@ class _Plan:
     __slots__ = (
         "acc",
         "backward_kernels",
+        "block",
         "constexprs",
         "count",
         "device",
@@ -549,6 +548,7 @@ class _Plan:
             reach = max(extent(tuple(x.shape), x.stride()), count * length)
         plan = row_plan(count, length, reach)
         self.layout = plan
+        self.block = plan.block
         self.split = plan.splits > 1
         self.grid = (count, plan.splits)
         self.sizes = (length, plan.segment, plan.splits)
@@ -567,6 +567,11 @@ class _Plan:
         """:func:`standardize_rows` of a tensor of this plan, on plain eager tensors."""
         result: Tensor = _APPLY(x, gain, self)
         return result
+
+    def differentiable(self, x: Tensor, gain: Tensor | None) -> Tensor:
+        """The standardized ``x`` in differentiable torch ops."""
+        rows = x.reshape(self.count, self.length)
+        return _plain(rows, self.eps, gain, self.factor).reshape(x.shape)
 
     def rows(self, x: Tensor) -> tuple[Tensor, tuple[int, int]]:
         """``x`` as the kernels read it, and its two strides."""
@@ -651,15 +656,7 @@ class _Standardize(torch.autograd.Function):
         x, gain, stats = ctx.saved_tensors
         plan: _Plan = ctx.plan
         if torch.is_grad_enabled():
-            # create_graph: the kernel's backward is not itself differentiable, so recompute
-            # through the plain formula, whose graph is (the saved inputs keep their history).
-            inputs = [t for t in (x, gain) if t is not None and t.requires_grad]
-            rows = x.reshape(plan.count, plan.length)
-            result = _plain(rows, plan.eps, gain, plan.factor).reshape(x.shape)
-            grads = iter(torch.autograd.grad(result, inputs, grad_y, create_graph=True))
-            grad_x = next(grads) if x.requires_grad else None
-            grad_gain = next(grads) if gain is not None and gain.requires_grad else None
-            return grad_x, grad_gain, None
+            return (*_fused.differentiable_grads(plan, (x, gain), grad_y), None)
         grad_x = torch.empty(x.shape, dtype=x.dtype, device=x.device)
         grad_gain = None
         if gain is not None:
@@ -718,13 +715,6 @@ _APPLY = function_apply(_Standardize)
 
 # --- one launch each way for many weights ---------------------------------------------------
 
-# A fused plan's entry per weight: its address, its gain's (0: none), row length, where its
-# result starts in the flat output, its first row's index among all rows, eps's and the
-# gain factor's bits, and one unused field (entries of 8: the row table stays aligned).
-_FIELDS = 8
-_MAX_FUSED = 32
-_MAX_GRADIENT_TABLES = 8
-
 
 def fusable(plan: _Plan) -> bool:
     """Whether a weight of ``plan`` can go in a fused launch: whole rows (few long rows keep
@@ -735,56 +725,31 @@ def fusable(plan: _Plan) -> bool:
     )
 
 
-class FusedPlan:
-    """Weights of one device and dtype standardized in one launch, and their gradients
-    computed in one: their table on the device, where each result lies in the flat output,
-    and the tables of incoming-gradient addresses met so far.
+class FusedPlan(_fused.FusedPlan[_Plan]):
+    """Weights standardized in one launch, and their gradients computed in one, from their
+    ``x0, gain0, x1, gain1, ...`` (see :class:`normhooks._kernels._fused.FusedPlan`)."""
 
-    Its content is a function of the key it is cached under (the weights' plans and their
-    and their gains' addresses), so it is never stale.
-    """
+    gain_at = 1
 
-    def __init__(self, plans: tuple[_Plan, ...], tensors: Sequence[Tensor | None]) -> None:
-        entries: list[int] = []
-        row_layers: list[int] = []
-        self.results: list[tuple[tuple[int, ...], tuple[int, ...], int]] = []
-        self.gains: list[tuple[tuple[int, ...], tuple[int, ...], int]] = []
-        numel = rows = block = 0
-        for layer, plan in enumerate(plans):
-            x, gain = tensors[2 * layer], tensors[2 * layer + 1]
-            assert x is not None  # the weights; only gains may be None
-            gain_address = 0 if gain is None else gain.data_ptr()
-            entries += [x.data_ptr(), gain_address, plan.length, numel, rows]
-            entries += [plan.eps_bits, plan.factor_bits, 0]
-            row_layers += [layer] * plan.count
-            self.results.append((tuple(x.shape), _contiguous_strides(x.shape), numel))
-            self.gains.append(((plan.count,), (1,), rows))
-            numel += plan.length * plan.count
-            rows += plan.count
-            block = max(block, plan.constexprs[1])
-        x = tensors[0]
-        assert x is not None
-        self.dtype, self.device = x.dtype, x.device
-        self.device_index = device_index(x.device)
-        self.acc = compute_dtype(x.dtype)
-        self.numel, self.rows = numel, rows
-        self.table = DeviceTable([entries, row_layers], x.device)
-        self.layers, self.row_layers = self.table.parts
-        self.constexprs = (tl_dtype(x.dtype), acc_dtype(x.dtype), block, _FIELDS)
-        self.plans = plans
-        self.forward_kernels: dict[Any, Any] = {}
-        self.backward_kernels: dict[Any, Any] = {}
-        self.gradient_tables: OrderedDict[tuple[int, ...], DeviceTable] = OrderedDict()
+    def entry(
+        self, plan: _Plan, x: Tensor | None, gain: Tensor | None, numel: int, rows: int
+    ) -> tuple[list[int], _fused.Strided, _fused.Strided]:
+        """The weight's address, its gain's (0: none), row length, where its result starts in
+        the flat output, its first row's index among all rows, eps's and the gain factor's
+        bits, and one unused field (read by :func:`_fused_entry`); the result is contiguous,
+        as the weight's own launch gives it."""
+        assert x is not None  # only gains may be None
+        gain_address = 0 if gain is None else gain.data_ptr()
+        entry = [x.data_ptr(), gain_address, plan.length, numel, rows]
+        entry += [plan.eps_bits, plan.factor_bits, 0]
+        return entry, (tuple(x.shape), _contiguous_strides(x.shape)), ((plan.count,), (1,))
 
-    def gradient_table(self, addresses: tuple[int, ...]) -> Tensor:
-        table = self.gradient_tables.get(addresses)
-        if table is None:
-            table = DeviceTable([addresses], self.device)
-            self.gradient_tables[addresses] = table
-            if len(self.gradient_tables) > _MAX_GRADIENT_TABLES:
-                self.gradient_tables.popitem(last=False)
-        table.use_on(current_stream(self.device))
-        return table.storage
+    def buffers(self) -> tuple[Tensor, ...]:
+        """Every row's mean, then every row's 1/std."""
+        return (torch.empty(2 * self.rows, dtype=compute_dtype(self.dtype), device=self.device),)
+
+    def kernels(self) -> tuple[Kernel, Kernel]:
+        return _FUSED_FORWARD, _FUSED_BACKWARD
 
 
 def _contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
@@ -796,108 +761,21 @@ def _contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
-_fused_plans: OrderedDict[tuple[object, ...], FusedPlan] = OrderedDict()
-
-
 def fused_plan(plans: tuple[_Plan, ...], tensors: Sequence[Tensor | None]) -> FusedPlan:
     """The fused plan of weights of :func:`fusable` ``plans`` (one device and dtype), whose
     ``tensors`` are ``x0, gain0, x1, gain1, ...`` (a gain None where there is none)."""
-    key = (plans, tuple([0 if t is None else t.data_ptr() for t in tensors]))
-    found = _fused_plans.get(key)
-    if found is None:
-        found = FusedPlan(plans, tensors)
-        _fused_plans[key] = found
-        if len(_fused_plans) > _MAX_FUSED:
-            _fused_plans.popitem(last=False)
+    found: FusedPlan = FusedPlan.find(plans, tensors)
     return found
-
-
-class _FusedStandardize(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, plan: FusedPlan, *tensors: Tensor | None) -> tuple[Tensor, ...]:
-        # A result that no layer used gets no gradient: None, not zeros, so its weight and
-        # gain get none either, exactly as without fusion.
-        ctx.set_materialize_grads(False)
-        ctx.plan = plan
-        result = torch.empty(plan.numel, dtype=plan.dtype, device=plan.device)
-        stats = torch.empty(2 * plan.rows, dtype=plan.acc, device=plan.device)
-        ctx.save_for_backward(stats, *tensors)
-        plan.table.use_on(current_stream(plan.device))
-        _FUSED_FORWARD(
-            plan.forward_kernels,
-            (plan.rows, 1),
-            plan.device_index,
-            (plan.row_layers,),
-            plan.layers,
-            plan.row_layers,
-            result,
-            stats,
-            *plan.constexprs,
-        )
-        view = result.as_strided
-        return tuple([view(*layout) for layout in plan.results])
-
-    @staticmethod
-    def backward(ctx: Any, *grads: Tensor | None) -> tuple[Tensor | None, ...]:
-        stats, *tensors = ctx.saved_tensors
-        plan: FusedPlan = ctx.plan
-        needs = ctx.needs_input_grad
-        result: list[Tensor | None] = [None]
-        if torch.is_grad_enabled():
-            # create_graph: through the plain formula, weight by weight (see _Standardize).
-            for layer, grad in enumerate(grads):
-                x, gain = tensors[2 * layer], tensors[2 * layer + 1]
-                inputs = [t for t in (x, gain) if t is not None and t.requires_grad]
-                if grad is None or not inputs:
-                    result += [None, None]
-                    continue
-                layer_plan = plan.plans[layer]
-                rows = x.reshape(layer_plan.count, layer_plan.length)
-                out = _plain(rows, layer_plan.eps, gain, layer_plan.factor).reshape(x.shape)
-                found = iter(torch.autograd.grad(out, inputs, grad, create_graph=True))
-                result += [
-                    next(found) if t is not None and t.requires_grad else None for t in (x, gain)
-                ]
-            return tuple(result)
-        incoming = [None if grad is None else grad.contiguous() for grad in grads]
-        addresses = tuple([0 if grad is None else grad.data_ptr() for grad in incoming])
-        grad_x = torch.empty(plan.numel, dtype=plan.dtype, device=plan.device)
-        grad_gain = torch.empty(plan.rows, dtype=plan.dtype, device=plan.device)
-        _FUSED_BACKWARD(
-            plan.backward_kernels,
-            (plan.rows, 1),
-            plan.device_index,
-            (plan.row_layers,),
-            plan.layers,
-            plan.row_layers,
-            plan.gradient_table(addresses),
-            stats,
-            grad_x,
-            grad_gain,
-            *plan.constexprs,
-        )
-        x_view, gain_view = grad_x.as_strided, grad_gain.as_strided
-        for layer, grad in enumerate(grads):
-            if grad is None:
-                result += [None, None]
-                continue
-            at = 2 * layer + 1
-            result.append(x_view(*plan.results[layer]) if needs[at] else None)
-            has_gain = tensors[2 * layer + 1] is not None
-            result.append(gain_view(*plan.gains[layer]) if has_gain and needs[at + 1] else None)
-        return tuple(result)
 
 
 _FUSED_FORWARD = Kernel(_fused_forward)
 _FUSED_BACKWARD = Kernel(_fused_backward)
-_FUSED_APPLY = function_apply(_FusedStandardize)
 
 
 def fused_standardizations(plan: FusedPlan, tensors: Sequence[Tensor | None]) -> tuple[Tensor, ...]:
     """The standardized weights of ``plan``, from their ``x0, gain0, x1, gain1, ...``, in
     one launch (their gradients in one more), on plain eager tensors."""
-    results: tuple[Tensor, ...] = _FUSED_APPLY(plan, *tensors)
-    return results
+    return _fused.fused_results(plan, tensors)
 
 
 def _check(x: Tensor, eps: float, gain: Tensor | None) -> None:
