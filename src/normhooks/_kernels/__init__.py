@@ -20,7 +20,7 @@ import functools
 import importlib.util
 from collections.abc import Callable, Iterator
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch import Tensor
 
@@ -87,34 +87,17 @@ def route_cpu_tensors() -> Iterator[None]:
         _route_cpu = previous
 
 
-def lars_unit_(
-    params: list[Tensor],
-    grads: list[Tensor],
-    *,
-    threshold: float,
-    weight_decay: float,
-    eps: float,
-    trust_coefficient: float,
-    lr: float | Tensor | None,
-    clip: bool,
-    grad_scale: Tensor | None,
-    found_inf: Tensor | None,
-) -> Tensor:
-    """See :func:`normhooks._kernels.lars.lars_unit_`."""
-    from normhooks._kernels import lars
+# Type checkers see the kernel module's function, whose signature is written once, there; at
+# run time a forwarder imports that module (and Triton) at the first call.
+if TYPE_CHECKING:
+    from normhooks._kernels.lars import lars_unit_ as lars_unit_
+else:
 
-    return lars.lars_unit_(
-        params,
-        grads,
-        threshold=threshold,
-        weight_decay=weight_decay,
-        eps=eps,
-        trust_coefficient=trust_coefficient,
-        lr=lr,
-        clip=clip,
-        grad_scale=grad_scale,
-        found_inf=found_inf,
-    )
+    def lars_unit_(*args, **kwargs):
+        """See :func:`normhooks._kernels.lars.lars_unit_`."""
+        from normhooks._kernels import lars
+
+        return lars.lars_unit_(*args, **kwargs)
 
 
 @functools.cache

@@ -50,6 +50,17 @@ _CACHE_SIZE = 64
 
 
 @triton.jit
+def _chunk(w_ptrs, g_ptrs, numels, chunk_tensor, chunk_start, dtype: tl.constexpr):  # type: ignore[no-untyped-def]
+    """This program's chunk: its index, its tensor's, where it starts in the tensor, the
+    tensor's size, and its w and g."""
+    chunk = tl.program_id(0).to(tl.int64)
+    tensor = tl.load(chunk_tensor + chunk)
+    w = tl.load(w_ptrs + tensor).to(tl.pointer_type(dtype))
+    g = tl.load(g_ptrs + tensor).to(tl.pointer_type(dtype))
+    return chunk, tensor, tl.load(chunk_start + chunk), tl.load(numels + tensor), w, g
+
+
+@triton.jit
 def _rate(  # type: ignore[no-untyped-def]
     w_squares,
     g_squares,
@@ -122,12 +133,9 @@ def _squares_and_rates(  # type: ignore[no-untyped-def]
     zero_denominator_is_one: tl.constexpr,
     scaled: tl.constexpr,
 ):
-    chunk = tl.program_id(0).to(tl.int64)
-    tensor = tl.load(chunk_tensor + chunk)
-    start = tl.load(chunk_start + chunk)
-    numel = tl.load(numels + tensor)
-    w = tl.load(w_ptrs + tensor).to(tl.pointer_type(dtype))
-    g = tl.load(g_ptrs + tensor).to(tl.pointer_type(dtype))
+    chunk, tensor, start, numel, w, g = _chunk(
+        w_ptrs, g_ptrs, numels, chunk_tensor, chunk_start, dtype
+    )
     w_acc = tl.zeros([block], dtype=acc)
     g_acc = tl.zeros([block], dtype=acc)
     for offset in tl.range(0, chunk_size, block):
@@ -208,16 +216,11 @@ def _scale(  # type: ignore[no-untyped-def]
     scaled: tl.constexpr,
     flag_overflow: tl.constexpr,
 ):
-    chunk = tl.program_id(0).to(tl.int64)
-    tensor = tl.load(chunk_tensor + chunk)
-    start = tl.load(chunk_start + chunk)
-    numel = tl.load(numels + tensor)
+    _, tensor, start, numel, w, g = _chunk(w_ptrs, g_ptrs, numels, chunk_tensor, chunk_start, dtype)
     rate = tl.load(rates + tensor)
     decay = as_float(weight_decay, acc)
     if scaled:
         scale = tl.load(grad_scale).to(acc)
-    w = tl.load(w_ptrs + tensor).to(tl.pointer_type(dtype))
-    g = tl.load(g_ptrs + tensor).to(tl.pointer_type(dtype))
     finite = tl.full([block], 1, dtype=tl.int1)
     for offset in tl.range(0, chunk_size, block):
         index = start + offset + tl.arange(0, block)

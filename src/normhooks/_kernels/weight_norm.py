@@ -67,6 +67,27 @@ def _offsets(  # type: ignore[no-untyped-def]
 
 
 @triton.jit
+def _row_block(  # type: ignore[no-untyped-def]
+    v,
+    row,
+    first,
+    end,
+    count,
+    inner,
+    acc: tl.constexpr,
+    block: tl.constexpr,
+    row_is_contiguous: tl.constexpr,
+    wide: tl.constexpr,
+):
+    """The offsets, mask and values (in ``acc``) of the row's block of values from ``first``
+    (of ``[first, end)``)."""
+    k = first + tl.arange(0, block)
+    mask = k < end
+    offsets = _offsets(row, k, count, inner, row_is_contiguous, wide)
+    return offsets, mask, tl.load(v + offsets, mask=mask, other=0.0).to(acc)
+
+
+@triton.jit
 def _denominator(norm, eps, acc: tl.constexpr):  # type: ignore[no-untyped-def]
     denominator = norm + as_float(eps, acc)
     # Only a zero row with eps == 0 gets here: 1 keeps it zero instead of 0/0.
@@ -89,10 +110,9 @@ def _sum_of_squares(  # type: ignore[no-untyped-def]
     squares = tl.zeros([block], dtype=acc)
     first = start
     while first < end:
-        k = first + tl.arange(0, block)
-        mask = k < end
-        offsets = _offsets(row, k, count, inner, row_is_contiguous, wide)
-        values = tl.load(v + offsets, mask=mask, other=0.0).to(acc)
+        _, _, values = _row_block(
+            v, row, first, end, count, inner, acc, block, row_is_contiguous, wide
+        )
         squares += values * values
         first += block
     return tl.sum(squares, axis=0)
@@ -118,10 +138,9 @@ def _sums_of_products(  # type: ignore[no-untyped-def]
     squares = tl.zeros([block], dtype=acc)
     first = start
     while first < end:
-        k = first + tl.arange(0, block)
-        mask = k < end
-        offsets = _offsets(row, k, count, inner, row_is_contiguous, wide)
-        values = tl.load(v + offsets, mask=mask, other=0.0).to(acc)
+        offsets, mask, values = _row_block(
+            v, row, first, end, count, inner, acc, block, row_is_contiguous, wide
+        )
         incoming = tl.load(grad_w + offsets, mask=mask, other=0.0).to(acc)
         products += incoming * values
         squares += values * values
@@ -148,6 +167,9 @@ def _squares(  # type: ignore[no-untyped-def]
     start, end = segment_bounds(length, segment, wide)
     squares = _sum_of_squares(v, row, start, end, count, inner, acc, block, row_is_contiguous, wide)
     tl.store(partials + row * splits + tl.program_id(1), squares)
+
+
+_SQUARES = Kernel(_squares)
 
 
 @triton.jit(do_not_specialize=["eps"])
@@ -182,6 +204,9 @@ def _forward(  # type: ignore[no-untyped-def]
     )
 
 
+_FORWARD = Kernel(_forward)
+
+
 @triton.jit
 def _products(  # type: ignore[no-untyped-def]
     grad_w,
@@ -207,6 +232,9 @@ def _products(  # type: ignore[no-untyped-def]
     at = row * splits + tl.program_id(1)
     tl.store(dots + at, dot)
     tl.store(squares + at, square)
+
+
+_PRODUCTS = Kernel(_products)
 
 
 @triton.jit(do_not_specialize=["eps"])
@@ -261,6 +289,9 @@ def _backward(  # type: ignore[no-untyped-def]
     )
 
 
+_BACKWARD = Kernel(_backward)
+
+
 @triton.jit
 def _write_scaled(  # type: ignore[no-untyped-def]
     v,
@@ -283,10 +314,9 @@ def _write_scaled(  # type: ignore[no-untyped-def]
     scale = div(tl.load(g + row).to(acc), _denominator(sqrt(squares, acc), eps, acc), acc)
     first = start
     while first < end:
-        k = first + tl.arange(0, block)
-        mask = k < end
-        offsets = _offsets(row, k, count, inner, row_is_contiguous, wide)
-        values = tl.load(v + offsets, mask=mask, other=0.0).to(acc)
+        offsets, mask, values = _row_block(
+            v, row, first, end, count, inner, acc, block, row_is_contiguous, wide
+        )
         tl.store(w + offsets, (values * scale).to(w.dtype.element_ty), mask=mask)
         first += block
 
@@ -322,10 +352,9 @@ def _write_gradients(  # type: ignore[no-untyped-def]
     tl.store(grad_g_row, grad, mask=tl.program_id(1) == 0)
     first = start
     while first < end:
-        k = first + tl.arange(0, block)
-        mask = k < end
-        offsets = _offsets(row, k, count, inner, row_is_contiguous, wide)
-        values = tl.load(v + offsets, mask=mask, other=0.0).to(acc)
+        offsets, mask, values = _row_block(
+            v, row, first, end, count, inner, acc, block, row_is_contiguous, wide
+        )
         incoming = tl.load(grad_w + offsets, mask=mask, other=0.0).to(acc)
         result = incoming * scale + values * coefficient
         tl.store(grad_v + offsets, result.to(grad_v.dtype.element_ty), mask=mask)
@@ -441,6 +470,9 @@ def _fused_forward(  # type: ignore[no-untyped-def]
         _normalize_row(v, g, w + at, row, length, count, inner, eps, acc, block, False)
 
 
+_FUSED_FORWARD = Kernel(_fused_forward)
+
+
 @triton.jit
 def _fused_backward(  # type: ignore[no-untyped-def]
     layers,
@@ -470,6 +502,9 @@ def _fused_backward(  # type: ignore[no-untyped-def]
             _row_gradients(
                 grad_w, v, g, out, gain_out, row, length, count, inner, eps, acc, block, False
             )
+
+
+_FUSED_BACKWARD = Kernel(_fused_backward)
 
 
 class _Layout(NamedTuple):
@@ -662,10 +697,6 @@ class _WeightNorm(torch.autograd.Function):
         return grad_g if needs_g else None, grad_v if needs_v else None, None
 
 
-_SQUARES = Kernel(_squares)
-_FORWARD = Kernel(_forward)
-_PRODUCTS = Kernel(_products)
-_BACKWARD = Kernel(_backward)
 _APPLY = function_apply(_WeightNorm)
 
 
@@ -706,10 +737,6 @@ def fused_plan(plans: tuple[_Plan, ...], tensors: Sequence[Tensor]) -> FusedPlan
     ``tensors`` are ``g0, v0, g1, v1, ...``."""
     found: FusedPlan = FusedPlan.find(plans, tensors)
     return found
-
-
-_FUSED_FORWARD = Kernel(_fused_forward)
-_FUSED_BACKWARD = Kernel(_fused_backward)
 
 
 def fused_weight_norms(plan: FusedPlan, tensors: Sequence[Tensor]) -> tuple[Tensor, ...]:

@@ -135,6 +135,9 @@ def _moments(  # type: ignore[no-untyped-def]
     tl.store(squares + at, _centred_squares(x_row, x_stride, start, end, mean, acc, block))
 
 
+_MOMENTS = Kernel(_moments)
+
+
 @triton.jit
 def _times(rstd, gain, row, factor, acc: tl.constexpr):  # type: ignore[no-untyped-def]
     """What multiplies a row's centred values: ``rstd`` times the row's gain times ``factor``,
@@ -288,6 +291,9 @@ def _forward(  # type: ignore[no-untyped-def]
     )
 
 
+_FORWARD = Kernel(_forward)
+
+
 @triton.jit(do_not_specialize=["length"])
 def _sums(  # type: ignore[no-untyped-def]
     grad_y,
@@ -325,6 +331,9 @@ def _sums(  # type: ignore[no-untyped-def]
     at = row * splits + tl.program_id(1)
     tl.store(incoming_sums + at, incoming)
     tl.store(product_sums + at, product)
+
+
+_SUMS = Kernel(_sums)
 
 
 @triton.jit(do_not_specialize=["factor", "length"])
@@ -387,6 +396,9 @@ def _backward(  # type: ignore[no-untyped-def]
     )
 
 
+_BACKWARD = Kernel(_backward)
+
+
 @triton.jit
 def _fused_entry(layers, layer, index, dtype: tl.constexpr, fields: tl.constexpr):  # type: ignore[no-untyped-def]
     """Program ``index``'s weight's entry in a fused plan's table (see :data:`_FIELDS`): the
@@ -425,6 +437,9 @@ def _fused_forward(  # type: ignore[no-untyped-def]
     _write_standardized(
         x_row, 1, y + at, stats, index, length * 0, length, mean, rstd, times, acc, block
     )
+
+
+_FUSED_FORWARD = Kernel(_fused_forward)
 
 
 @triton.jit
@@ -474,6 +489,9 @@ def _fused_backward(  # type: ignore[no-untyped-def]
             acc,
             block,
         )
+
+
+_FUSED_BACKWARD = Kernel(_fused_backward)
 
 
 def _plain(rows: Tensor, eps: float, gain: Tensor | None, factor: float) -> Tensor:
@@ -706,10 +724,6 @@ class _Standardize(torch.autograd.Function):
         return grad_x if needs_x else None, grad_gain if needs_gain else None, None
 
 
-_MOMENTS = Kernel(_moments)
-_FORWARD = Kernel(_forward)
-_SUMS = Kernel(_sums)
-_BACKWARD = Kernel(_backward)
 _APPLY = function_apply(_Standardize)
 
 
@@ -766,10 +780,6 @@ def fused_plan(plans: tuple[_Plan, ...], tensors: Sequence[Tensor | None]) -> Fu
     ``tensors`` are ``x0, gain0, x1, gain1, ...`` (a gain None where there is none)."""
     found: FusedPlan = FusedPlan.find(plans, tensors)
     return found
-
-
-_FUSED_FORWARD = Kernel(_fused_forward)
-_FUSED_BACKWARD = Kernel(_fused_backward)
 
 
 def fused_standardizations(plan: FusedPlan, tensors: Sequence[Tensor | None]) -> tuple[Tensor, ...]:
