@@ -429,23 +429,18 @@ def _row_gradients(  # type: ignore[no-untyped-def]
 
 @triton.jit
 def _fused_entry(layers, layer, index, dtype: tl.constexpr, fields: tl.constexpr):  # type: ignore[no-untyped-def]
-    """Program ``index``'s layer's entry in a fused plan's table (see :data:`_FIELDS`): the
-    layer's v and g, its sizes, where its weight starts in the flat output, eps's bits and
-    the program's row of the layer."""
+    """Program ``index``'s layer's entry in a fused plan's table (see
+    :meth:`FusedPlan.entry`): the layer's v and g, its length, count and inner size, where its
+    weight starts in the flat output, eps's bits, and the program's row of the layer."""
     entry = layers + layer * fields
     v = tl.load(entry).to(tl.pointer_type(dtype))
     g = tl.load(entry + 1).to(tl.pointer_type(dtype))
-    row = index - tl.load(entry + 6)
-    return (
-        v,
-        g,
-        tl.load(entry + 2),
-        tl.load(entry + 3),
-        tl.load(entry + 4),
-        tl.load(entry + 5),
-        tl.load(entry + 7),
-        row,
-    )
+    length = tl.load(entry + 2)
+    count = tl.load(entry + 3)
+    inner = tl.load(entry + 4)
+    at = tl.load(entry + 5)
+    eps = tl.load(entry + 7)
+    return v, g, length, count, inner, at, eps, index - tl.load(entry + 6)
 
 
 @triton.jit

@@ -81,6 +81,27 @@ def _centred_squares(  # type: ignore[no-untyped-def]
 
 
 @triton.jit
+def _gradient_block(  # type: ignore[no-untyped-def]
+    x_row,
+    dy_row,
+    x_stride,
+    dy_stride,
+    first,
+    end,
+    mean,
+    rstd,
+    acc: tl.constexpr,
+    block: tl.constexpr,
+):
+    """The indices and mask of the row's block of values from ``first`` (of ``[first, end)``),
+    and its ``x-hat`` and ``y'_in``."""
+    k = first + tl.arange(0, block)
+    mask = k < end
+    normalized = (tl.load(x_row + k * x_stride, mask=mask, other=0.0).to(acc) - mean) * rstd
+    return k, mask, normalized, tl.load(dy_row + k * dy_stride, mask=mask, other=0.0).to(acc)
+
+
+@triton.jit
 def _gradient_sums(  # type: ignore[no-untyped-def]
     x_row,
     dy_row,
@@ -98,10 +119,9 @@ def _gradient_sums(  # type: ignore[no-untyped-def]
     product_sums = tl.zeros([block], dtype=acc)
     first = start
     while first < end:
-        k = first + tl.arange(0, block)
-        mask = k < end
-        normalized = (tl.load(x_row + k * x_stride, mask=mask, other=0.0).to(acc) - mean) * rstd
-        incoming = tl.load(dy_row + k * dy_stride, mask=mask, other=0.0).to(acc)
+        _, mask, normalized, incoming = _gradient_block(
+            x_row, dy_row, x_stride, dy_stride, first, end, mean, rstd, acc, block
+        )
         incoming_sums += incoming
         product_sums += tl.where(mask, incoming * normalized, 0.0)
         first += block
@@ -234,10 +254,9 @@ def _write_gradient(  # type: ignore[no-untyped-def]
     product_mean = div(product_sum, length.to(acc), acc)
     first = start
     while first < end:
-        k = first + tl.arange(0, block)
-        mask = k < end
-        normalized = (tl.load(x_row + k * x_stride, mask=mask, other=0.0).to(acc) - mean) * rstd
-        incoming = tl.load(dy_row + k * dy_stride, mask=mask, other=0.0).to(acc)
+        k, mask, normalized, incoming = _gradient_block(
+            x_row, dy_row, x_stride, dy_stride, first, end, mean, rstd, acc, block
+        )
         result = times * (incoming - incoming_mean - normalized * product_mean)
         tl.store(grad_x_row + k, result.to(grad_x_row.dtype.element_ty), mask=mask)
         first += block
@@ -401,9 +420,10 @@ _BACKWARD = Kernel(_backward)
 
 @triton.jit
 def _fused_entry(layers, layer, index, dtype: tl.constexpr, fields: tl.constexpr):  # type: ignore[no-untyped-def]
-    """Program ``index``'s weight's entry in a fused plan's table (see :data:`_FIELDS`): the
-    address of the program's row, its gain's (0 for none), the row length, where the row's
-    result starts in the flat output, and the bits of ``eps`` and of the gain's factor."""
+    """Program ``index``'s weight's entry in a fused plan's table (see
+    :meth:`FusedPlan.entry`): the address of the program's row, the row's index in its weight,
+    the gain's address (0 for none), the row length, where the row's result starts in the
+    flat output, and the bits of ``eps`` and of the gain's factor."""
     entry = layers + layer * fields
     length = tl.load(entry + 2)
     row = index - tl.load(entry + 4)
