@@ -13,6 +13,7 @@ torch ops, which a double backward goes through.
 
 from __future__ import annotations
 
+import abc
 import math
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -72,12 +73,13 @@ def differentiable_grads(
     wanted = [t for t in pair if t is not None and t.requires_grad]
     if grad is None or not wanted:
         return [None, None]
+    # A layer's first input is never None (only a standardization's gain, its second, may be).
     result = plan.differentiable(*pair)  # type: ignore[arg-type]
     found = iter(torch.autograd.grad(result, wanted, grad, create_graph=True))
     return [next(found) if t is not None and t.requires_grad else None for t in pair]
 
 
-class FusedPlan(Generic[P]):
+class FusedPlan(abc.ABC, Generic[P]):
     """Layers of one device and dtype computed in one launch each way, from their inputs
     ``first0, second0, first1, second1, ...``: their tables on the device, where each result
     and each gain's gradient lies in its flat buffer, and the tables of incoming-gradient
@@ -130,21 +132,21 @@ class FusedPlan(Generic[P]):
         self.backward_kernels: dict[Any, Any] = {}
         self.gradient_tables: OrderedDict[tuple[int, ...], DeviceTable] = OrderedDict()
 
+    @abc.abstractmethod
     def entry(
         self, plan: P, first: Tensor | None, second: Tensor | None, numel: int, rows: int
     ) -> tuple[list[int], Strided, Strided]:
         """A layer's :data:`FIELDS` table fields, given where its result starts in the flat
         output (``numel``) and its first row's index among all rows; the sizes and strides of
         its result, then of its gain's gradient."""
-        raise NotImplementedError
 
     def buffers(self) -> tuple[Tensor, ...]:
         """What the forward kernel writes besides the results, for backward to read."""
         return ()
 
+    @abc.abstractmethod
     def kernels(self) -> tuple[Kernel, Kernel]:
         """The forward and backward kernels, as the technique's module holds them now."""
-        raise NotImplementedError
 
     @classmethod
     def find(cls, plans: tuple[P, ...], tensors: Sequence[Tensor | None]) -> Any:
