@@ -13,19 +13,13 @@ labelled as such.
 
 from __future__ import annotations
 
-import argparse
-import json
-from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from _timing import print_ratios, time_side_by_side
+from _hooks import SETS, Make, Step, hooked, optimizer_for, run
 from normhooks import TrustRatio
 
-SHAPES = Path(__file__).resolve().parent / "shapes"
-SETS = {"ResNet-50": "resnet50_shapes.json", "ViT-B/16": "vitb16_shapes.json"}
 LR, BETAS, EPS, WEIGHT_DECAY = 1e-3, (0.9, 0.999), 1e-6, 1e-2
 
 
@@ -69,104 +63,47 @@ class PaperLamb(torch.optim.Optimizer):
         torch._foreach_add_(params, updates)
 
 
-def pytorch_optimizer_lamb(
-    foreach: bool,
-) -> Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]:
+# The settings every LAMB here shares with TrustRatio + AdamW.
+LAMB = {"lr": LR, "betas": BETAS, "eps": EPS, "weight_decay": WEIGHT_DECAY}
+
+
+def pytorch_optimizer_lamb(foreach: bool) -> Make:
     from pytorch_optimizer import Lamb
 
-    def make(params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
-        return Lamb(
-            params,
-            lr=LR,
-            betas=BETAS,
-            eps=EPS,
-            weight_decay=WEIGHT_DECAY,
-            adam_debias=True,
-            foreach=foreach,
-        )
-
-    return make
+    return lambda params: Lamb(params, **LAMB, adam_debias=True, foreach=foreach)
 
 
-def lamb_peer() -> tuple[str, Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]]:
+def lamb_peer() -> tuple[str, Make]:
     try:
         from timm.optim import Lamb
     except ImportError:
         return "LAMB from the paper (foreach, no timm)", lambda p: PaperLamb(p, lr=LR)
-
-    def make(params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
-        return Lamb(
-            params,
-            lr=LR,
-            betas=BETAS,
-            eps=EPS,
-            weight_decay=WEIGHT_DECAY,
-            max_grad_norm=None,
-            always_adapt=True,
-            foreach=True,
-        )
-
-    return "timm Lamb (foreach)", make
-
-
-def optimizer_for(
-    shapes: list[list[int]],
-    device: torch.device,
-    make: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer],
-) -> torch.optim.Optimizer:
-    params = []
-    for shape in shapes:
-        param = torch.nn.Parameter(torch.randn(shape, device=device))
-        param.grad = torch.randn(shape, device=device)
-        params.append(param)
-    optimizer = make(params)
-    optimizer.step()  # creates the optimizer's state outside the timed region
-    return optimizer
+    return "timm Lamb (foreach)", lambda params: Lamb(
+        params, **LAMB, max_grad_norm=None, always_adapt=True, foreach=True
+    )
 
 
 def adamw(params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(
-        params, lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY, foreach=True
-    )
+    return torch.optim.AdamW(params, **LAMB, foreach=True)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--repeats", type=int, default=15)
-    parser.add_argument("--shapes", type=Path, default=SHAPES, help="folder of shape files")
-    args = parser.parse_args()
-    device = torch.device(args.device)
+def candidates(shapes: list[list[int]], device: torch.device) -> dict[str, Step]:
     peer_name, make_peer = lamb_peer()
-    print(
-        f"TrustRatio + AdamW(foreach) and LAMB optimizers vs AdamW(foreach) alone on {device}, "
-        f"torch {torch.__version__}, {torch.get_num_threads()} CPU threads"
-    )
-    for title, file in SETS.items():
-        shapes = json.loads((args.shapes / file).read_text())
-        plain = optimizer_for(shapes, device, adamw)
-        plain_again = optimizer_for(shapes, device, adamw)
-        hooked = optimizer_for(shapes, device, adamw)
-        TrustRatio().attach(hooked)
-        peer = optimizer_for(shapes, device, make_peer)
-        multi_tensor = optimizer_for(shapes, device, pytorch_optimizer_lamb(foreach=True))
-        per_tensor = optimizer_for(shapes, device, pytorch_optimizer_lamb(foreach=False))
-        times = time_side_by_side(
-            {
-                "AdamW alone": plain.step,
-                "AdamW alone, again (noise)": plain_again.step,
-                "TrustRatio + AdamW": hooked.step,
-                "pytorch-optimizer Lamb (foreach)": multi_tensor.step,
-                "pytorch-optimizer Lamb (per tensor)": per_tensor.step,
-                peer_name: peer.step,
-            },
-            device,
-            args.repeats,
-        )
-        count = sum(torch.Size(s).numel() for s in shapes)
-        print_ratios(f"{title}: {len(shapes)} tensors, {count:,} values", times, "AdamW alone")
-        del plain, plain_again, hooked, peer, multi_tensor, per_tensor
+    return {
+        "AdamW alone": optimizer_for(shapes, device, adamw).step,
+        "AdamW alone, again (noise)": optimizer_for(shapes, device, adamw).step,
+        "TrustRatio + AdamW": hooked(optimizer_for(shapes, device, adamw), TrustRatio()),
+        "pytorch-optimizer Lamb (foreach)": optimizer_for(
+            shapes, device, pytorch_optimizer_lamb(foreach=True)
+        ).step,
+        "pytorch-optimizer Lamb (per tensor)": optimizer_for(
+            shapes, device, pytorch_optimizer_lamb(foreach=False)
+        ).step,
+        peer_name: optimizer_for(shapes, device, make_peer).step,
+    }
 
 
 if __name__ == "__main__":
-    main()
+    run(
+        __doc__, "AdamW alone", candidates, {name: SETS[name] for name in ("ResNet-50", "ViT-B/16")}
+    )

@@ -43,10 +43,10 @@ WEIGHT_DECAY = 1e-3
 ADAMW_LR = 1e-2
 
 
-def make_model(seed: int = 0) -> nn.Module:
-    """Conv (WS, 5 filters: odd), conv (WN), linear (WN, 7 rows: odd), linear (WN, 1 row)."""
+def cnn_and_mlp(seed: int) -> nn.Sequential:
+    """Conv (5 filters: odd), GroupNorm, conv, linear (7 rows: odd), linear (1 row)."""
     torch.manual_seed(seed)
-    model = nn.Sequential(
+    return nn.Sequential(
         nn.Conv2d(3, 5, 3, padding=1),
         nn.GroupNorm(1, 5),
         nn.ReLU(),
@@ -56,6 +56,11 @@ def make_model(seed: int = 0) -> nn.Module:
         nn.Tanh(),
         nn.Linear(7, 1),
     )
+
+
+def make_model(seed: int = 0) -> nn.Module:
+    """:func:`cnn_and_mlp` with WS on the first conv and WN on the other three weights."""
+    model = cnn_and_mlp(seed)
     weight_standardization(model[0])
     for index in (3, 5, 7):
         weight_norm(model[index], "weight")
@@ -551,19 +556,8 @@ def fsdp1(rank: int, world: int, out: Path) -> dict[str, Any]:
 
 
 def make_fused_model(seed: int = 0) -> nn.Module:
-    """The CNN + MLP of make_model, weight-normalized as a tree: its four weights fused."""
-    torch.manual_seed(seed)
-    model = nn.Sequential(
-        nn.Conv2d(3, 5, 3, padding=1),
-        nn.GroupNorm(1, 5),
-        nn.ReLU(),
-        nn.Conv2d(5, 4, 3),
-        nn.Flatten(),
-        nn.Linear(4 * 4 * 4, 7),
-        nn.Tanh(),
-        nn.Linear(7, 1),
-    )
-    return apply_weight_norm(model)
+    """:func:`cnn_and_mlp` weight-normalized as a tree: its four weights fused."""
+    return apply_weight_norm(cnn_and_mlp(seed))
 
 
 def train_plain(

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
+from torch import nn
 
 import distributed_worker as worker
 from normhooks import GradientLARS, agc_param_groups, data_dependent_init, lars_param_groups
@@ -58,19 +59,23 @@ def spawn(scenario: str, out: Path) -> list[dict[str, Any]]:
     return [torch.load(out / f"{scenario}-rank{r}.pt", weights_only=False) for r in range(WORLD)]
 
 
-@pytest.fixture(scope="module")
-def ddp(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    return spawn("ddp", tmp_path_factory.mktemp("ddp"))
+def scenario(name: str) -> Any:
+    """A module-scoped fixture ``name``: what the worker's scenario ``name`` returns on each of
+    WORLD ranks."""
+
+    def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+        return spawn(name, tmp_path_factory.mktemp(name))
+
+    return pytest.fixture(scope="module", name=name)(results)
 
 
-@pytest.fixture(scope="module")
-def ddp_fused(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    return spawn("ddp_fused", tmp_path_factory.mktemp("ddp_fused"))
+ddp = scenario("ddp")
 
 
-@pytest.fixture(scope="module")
-def fsdp_fused(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    return spawn("fsdp_fused", tmp_path_factory.mktemp("fsdp_fused"))
+ddp_fused = scenario("ddp_fused")
+
+
+fsdp_fused = scenario("fsdp_fused")
 
 
 @pytest.fixture(scope="module")
@@ -82,9 +87,24 @@ def fused_reference() -> dict[str, Any]:
     return worker.full_parameters(model)
 
 
-@pytest.fixture(scope="module")
-def fsdp(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    return spawn("fsdp", tmp_path_factory.mktemp("fsdp"))
+fsdp = scenario("fsdp")
+
+
+def trained_with_lars(
+    model: nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]]
+) -> list[list[torch.Tensor]]:
+    """Trains ``model`` by one process on the full ``batches`` as the LARS scenarios do;
+    returns each step's rates."""
+    optimizer = torch.optim.SGD(lars_param_groups(model), lr=worker.LR, momentum=worker.MOMENTUM)
+    hook = GradientLARS(weight_decay=worker.WEIGHT_DECAY)
+    hook.attach(optimizer)
+    rates = []
+    for x, y in batches:
+        optimizer.zero_grad()
+        F.mse_loss(model(x), y).backward()
+        optimizer.step()
+        rates.append([r.clone() for r in hook.last_rates])
+    return rates
 
 
 @pytest.fixture(scope="module")
@@ -94,15 +114,7 @@ def reference() -> dict[str, Any]:
     init, batches = worker.data()
     data_dependent_init(model, init)
     after_init = worker.wn_init_values(model)
-    optimizer = torch.optim.SGD(lars_param_groups(model), lr=worker.LR, momentum=worker.MOMENTUM)
-    hook = GradientLARS(weight_decay=worker.WEIGHT_DECAY)
-    hook.attach(optimizer)
-    rates = []
-    for x, y in batches:
-        optimizer.zero_grad()
-        F.mse_loss(model(x), y).backward()
-        optimizer.step()
-        rates.append([r.clone() for r in hook.last_rates])
+    rates = trained_with_lars(model, batches)
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     return {
         "init": after_init,
@@ -112,9 +124,7 @@ def reference() -> dict[str, Any]:
     }
 
 
-@pytest.fixture(scope="module")
-def fsdp_mesh_per_call(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    return spawn("fsdp_mesh_per_call", tmp_path_factory.mktemp("fsdp_mesh_per_call"))
+fsdp_mesh_per_call = scenario("fsdp_mesh_per_call")
 
 
 @pytest.fixture(scope="module")
@@ -122,15 +132,7 @@ def mlp_reference() -> dict[str, Any]:
     """worker.make_mlp trained by one process on the full batches."""
     model = worker.make_mlp()
     _, batches = worker.data()
-    optimizer = torch.optim.SGD(lars_param_groups(model), lr=worker.LR, momentum=worker.MOMENTUM)
-    hook = GradientLARS(weight_decay=worker.WEIGHT_DECAY)
-    hook.attach(optimizer)
-    rates = []
-    for x, y in batches:
-        optimizer.zero_grad()
-        F.mse_loss(model(x), y).backward()
-        optimizer.step()
-        rates.append([r.clone() for r in hook.last_rates])
+    rates = trained_with_lars(model, batches)
     return {"rates": rates, "params": worker.full_parameters(model)}
 
 
@@ -264,9 +266,7 @@ def test_lars_with_a_mesh_per_fully_shard_call_matches_one_process(
 # --- adaptive gradient clipping --------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def fsdp_agc(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    return spawn("fsdp_agc", tmp_path_factory.mktemp("fsdp_agc"))
+fsdp_agc = scenario("fsdp_agc")
 
 
 def agc_one_process(weights_only: bool) -> dict[str, Any]:
@@ -354,9 +354,7 @@ def test_agc_refuses_dtensors_sharded_on_another_dim(
 # --- TrustRatio ----------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def fsdp_trust_ratio(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    return spawn("fsdp_trust_ratio", tmp_path_factory.mktemp("fsdp_trust_ratio"))
+fsdp_trust_ratio = scenario("fsdp_trust_ratio")
 
 
 @pytest.fixture(scope="module")
@@ -387,9 +385,7 @@ def test_trust_ratio_one_collective_per_step_under_fsdp2(
 # --- every hook: the contract's FSDP2 part -------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def fsdp_hooks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    return spawn("fsdp_hooks", tmp_path_factory.mktemp("fsdp_hooks"))
+fsdp_hooks = scenario("fsdp_hooks")
 
 
 @pytest.fixture(scope="module")
@@ -436,9 +432,7 @@ def test_every_hook_under_fsdp2_issues_one_collective_per_step_if_it_needs_whole
 # --- FSDP1 (FullyShardedDataParallel): refused ------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def fsdp1(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    return spawn("fsdp1", tmp_path_factory.mktemp("fsdp1"))
+fsdp1 = scenario("fsdp1")
 
 
 FSDP1_MESSAGES = {

@@ -79,6 +79,39 @@ def assert_stepped(
         assert_close_rel(param.detach().double(), kind.stepped(w, g, lr, **settings), rel)
 
 
+def hooked_sgd(
+    kind: Kind, params: list[nn.Parameter], foreach: bool | None = None
+) -> torch.optim.SGD:
+    """SGD(lr) over ``params`` with the kind's hook attached, both with ``foreach``."""
+    optimizer = torch.optim.SGD(params, lr=LR, foreach=foreach)
+    kind.make(foreach=foreach).attach(optimizer)
+    return optimizer
+
+
+def stepped_once(
+    kind: Kind, params: list[nn.Parameter], foreach: bool | None = None
+) -> torch.optim.SGD:
+    """:func:`hooked_sgd` after one step: planned, so that what changes next must be seen by
+    the plan."""
+    optimizer = hooked_sgd(kind, params, foreach)
+    optimizer.step()
+    return optimizer
+
+
+def assert_next_step_served(
+    kind: Kind,
+    optimizer: torch.optim.Optimizer,
+    params: list[nn.Parameter],
+    lr: float = LR,
+    rel: float = 1e-10,
+    **settings: Any,
+) -> None:
+    """The next step moves each of ``params`` as one SGD(lr) step with the hook does."""
+    before = snapshot(params)
+    optimizer.step()
+    assert_stepped(kind, params, before, lr, rel, **settings)
+
+
 def assert_plain_sgd(
     params: list[nn.Parameter], before: list[tuple[Tensor, Tensor]], lr: float = LR
 ) -> None:
@@ -97,11 +130,8 @@ def tolerance(dtype: torch.dtype) -> float:
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
 def test_one_sgd_step_is_the_formula(kind: Kind, dtype: torch.dtype) -> None:
     params = make_params(dtype)
-    before = snapshot(params)
-    optimizer = torch.optim.SGD(params, lr=LR)
-    kind.make().attach(optimizer)
-    optimizer.step()
-    assert_stepped(kind, params, before, rel=tolerance(dtype))
+    optimizer = hooked_sgd(kind, params)
+    assert_next_step_served(kind, optimizer, params, rel=tolerance(dtype))
 
 
 @every_kind
@@ -112,11 +142,8 @@ def test_every_foreach_mode_is_the_formula(
 ) -> None:
     # 70 x 70 is above the size the CPU norms take in one multi-tensor call.
     params = make_params(dtype, shapes=[*SHAPES, (70, 70)])
-    before = snapshot(params)
-    optimizer = torch.optim.SGD(params, lr=LR, foreach=foreach)
-    kind.make(foreach=foreach).attach(optimizer)
-    optimizer.step()
-    assert_stepped(kind, params, before, rel=tolerance(dtype))
+    optimizer = hooked_sgd(kind, params, foreach)
+    assert_next_step_served(kind, optimizer, params, rel=tolerance(dtype))
 
 
 @gradient_kinds
@@ -187,13 +214,9 @@ def test_parameters_without_a_gradient_are_left_alone(kind: Kind) -> None:
     params = make_params()
     params[0].grad = None
     untouched = params[0].detach().clone()
-    before = snapshot(params[1:])
-    optimizer = torch.optim.SGD(params, lr=LR)
-    kind.make().attach(optimizer)
-    optimizer.step()
+    assert_next_step_served(kind, hooked_sgd(kind, params), params[1:])
     assert params[0].grad is None
     torch.testing.assert_close(params[0].detach(), untouched, rtol=0, atol=0)
-    assert_stepped(kind, params[1:], before)
 
 
 @functional_kinds
@@ -275,11 +298,9 @@ class PlainSGD(torch.optim.Optimizer):
 @every_kind
 def test_a_third_party_optimizer_subclass(kind: Kind) -> None:
     params = make_params()
-    before = snapshot(params)
     optimizer = PlainSGD(params, lr=LR)
     kind.make().attach(optimizer)
-    optimizer.step()
-    assert_stepped(kind, params, before)
+    assert_next_step_served(kind, optimizer, params)
 
 
 OPTIMIZERS: dict[str, Callable[[Any], torch.optim.Optimizer]] = {
@@ -380,12 +401,9 @@ def test_a_group_opts_out_and_a_group_overrides_a_setting(kind: Kind) -> None:
 @every_kind
 def test_a_param_group_added_after_attach_is_served(kind: Kind) -> None:
     first, later = make_params(seed=1)[:2], make_params(seed=2)[2:]
-    optimizer = torch.optim.SGD(first, lr=LR)
-    kind.make().attach(optimizer)
+    optimizer = hooked_sgd(kind, first)
     optimizer.add_param_group({"params": later})
-    before = snapshot(first + later)
-    optimizer.step()
-    assert_stepped(kind, first + later, before)
+    assert_next_step_served(kind, optimizer, first + later)
 
 
 @every_kind
@@ -470,15 +488,11 @@ def test_parameters_are_checked_once_while_nothing_changes(
 @every_kind
 def test_a_parameter_replaced_in_its_group_is_served(kind: Kind) -> None:
     params = make_params()
-    optimizer = torch.optim.SGD(params, lr=LR)
-    kind.make().attach(optimizer)
-    optimizer.step()
+    optimizer = stepped_once(kind, params)
     replacement = make_params(seed=5)[0]
     optimizer.param_groups[0]["params"][0] = replacement
     served = [replacement, *params[1:]]
-    before = snapshot(served)
-    optimizer.step()
-    assert_stepped(kind, served, before)
+    assert_next_step_served(kind, optimizer, served)
 
 
 @every_kind
@@ -505,14 +519,10 @@ def test_gradients_that_appear_and_disappear_are_seen(kind: Kind) -> None:
 @every_kind
 def test_a_gradient_replaced_by_a_new_tensor_is_read(kind: Kind) -> None:
     params = make_params()
-    optimizer = torch.optim.SGD(params, lr=LR)
-    kind.make().attach(optimizer)
-    optimizer.step()
+    optimizer = stepped_once(kind, params)
     for param in params:
         param.grad = 2.0 * torch.randn_like(param)
-    before = snapshot(params)
-    optimizer.step()
-    assert_stepped(kind, params, before)
+    assert_next_step_served(kind, optimizer, params)
 
 
 @every_kind
@@ -520,37 +530,27 @@ def test_a_parameter_moved_with_data_is_served(kind: Kind) -> None:
     """``.data =`` keeps the Parameter object and changes what it holds (here its values and
     its shape): the plan must not serve the old tensor."""
     params = make_params()
-    optimizer = torch.optim.SGD(params, lr=LR)
-    kind.make().attach(optimizer)
-    optimizer.step()
+    optimizer = stepped_once(kind, params)
     params[0].data = torch.randn(4, 7, dtype=torch.float64)
     params[0].grad = torch.randn(4, 7, dtype=torch.float64)
-    before = snapshot(params)
-    optimizer.step()
-    assert_stepped(kind, params, before)
+    assert_next_step_served(kind, optimizer, params)
 
 
 @every_kind
 def test_a_parameter_reshaped_in_its_storage_is_served(kind: Kind) -> None:
     """``.data = p.data.view(...)`` keeps the address and the dtype: only the shape changes."""
     params = make_params()
-    optimizer = torch.optim.SGD(params, lr=LR)
-    kind.make().attach(optimizer)
-    optimizer.step()
+    optimizer = stepped_once(kind, params)
     for param, shape in zip(params, [(5, 6), (1, 5), (3, 16), (3, 1)], strict=True):
         param.data = param.data.view(shape)
         param.grad = 0.3 * torch.randn(shape, dtype=torch.float64)
-    before = snapshot(params)
-    optimizer.step()
-    assert_stepped(kind, params, before)
+    assert_next_step_served(kind, optimizer, params)
 
 
 @every_kind
 def test_a_change_of_dtype_is_seen(kind: Kind) -> None:
     params = make_params(torch.float32)
-    optimizer = torch.optim.SGD(params, lr=LR, foreach=False)
-    kind.make().attach(optimizer)
-    optimizer.step()
+    optimizer = stepped_once(kind, params, foreach=False)
     for param in params[:2]:  # as module.double() does: the same Parameters, converted
         param.data = param.data.double()
         param.grad = torch.randn_like(param)
@@ -568,9 +568,7 @@ def test_a_parameter_converted_to_a_dtype_it_refuses_is_refused_at_the_next_step
     kind: Kind,
 ) -> None:
     params = make_params()
-    optimizer = torch.optim.SGD(params, lr=LR)
-    kind.make().attach(optimizer)
-    optimizer.step()
+    optimizer = stepped_once(kind, params)
     params[1].data = params[1].data.to(torch.complex128)
     params[1].grad = None
     with pytest.raises(TypeError, match="parameter 1 of param group 0 must be a real floating"):
@@ -587,22 +585,16 @@ def test_a_change_of_device_is_seen(kind: Kind) -> None:
     for param, source in zip(params, make_params(), strict=True):
         torch.utils.swap_tensors(param, source)
     assert all(p.device.type == "cpu" for p in optimizer.param_groups[0]["params"])
-    before = snapshot(params)
-    optimizer.step()
-    assert_stepped(kind, params, before)
+    assert_next_step_served(kind, optimizer, params)
 
 
 @every_kind
 def test_a_changed_override_is_used_and_a_bad_one_refused_at_the_next_step(kind: Kind) -> None:
     params = make_params()
-    optimizer = torch.optim.SGD(params, lr=LR)
-    kind.make().attach(optimizer)
-    optimizer.step()
+    optimizer = stepped_once(kind, params)
     key, value, name = kind.override
     optimizer.param_groups[0][key] = value
-    before = snapshot(params)
-    optimizer.step()
-    assert_stepped(kind, params, before, **{name: value})
+    assert_next_step_served(kind, optimizer, params, **{name: value})
     key, value, match = kind.bad_override
     optimizer.param_groups[0][key] = value
     with pytest.raises((TypeError, ValueError), match=match):
@@ -612,13 +604,9 @@ def test_a_changed_override_is_used_and_a_bad_one_refused_at_the_next_step(kind:
 @every_kind
 def test_a_changed_lr_is_used(kind: Kind) -> None:
     params = make_params()
-    optimizer = torch.optim.SGD(params, lr=LR)
-    kind.make().attach(optimizer)
-    optimizer.step()
+    optimizer = stepped_once(kind, params)
     optimizer.param_groups[0]["lr"] = 0.03
-    before = snapshot(params)
-    optimizer.step()
-    assert_stepped(kind, params, before, lr=0.03)
+    assert_next_step_served(kind, optimizer, params, lr=0.03)
 
 
 # --- closures ----------------------------------------------------------------------------------

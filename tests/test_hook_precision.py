@@ -103,38 +103,33 @@ def agc_expected(params: list[nn.Parameter]) -> list[float]:
     return [norm64(vector.grad) / norm64(vector), max(row_ratios)]
 
 
-@DTYPES
-@FOREACH
-@pytest.mark.parametrize("form", ["functional", "hook"])
-def test_lars_rates(form: str, foreach: bool | None, dtype: torch.dtype) -> None:
-    params = params_and_grads(dtype)
-    expected = lars_expected(params)
-    if form == "functional":
-        rates = lars_(params, foreach=foreach)
-    else:
-        hook = GradientLARS(foreach=foreach)
-        optimizer = torch.optim.SGD(params, lr=0.0)
-        hook.attach(optimizer)
-        optimizer.step()
-        (rates,) = hook.last_rates
-    assert_relative(rates, expected)
+# Each gradient technique with values: its functional form, its hook, the hook's attribute of
+# the last step's values, and those values in float64.
+WITH_VALUES = {
+    "lars": (lars_, GradientLARS, "last_rates", lars_expected),
+    "agc": (agc_, AdaptiveGradientClipping, "last_ratios", agc_expected),
+}
 
 
 @DTYPES
 @FOREACH
 @pytest.mark.parametrize("form", ["functional", "hook"])
-def test_agc_ratios(form: str, foreach: bool | None, dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("technique", list(WITH_VALUES))
+def test_rates_and_ratios(
+    technique: str, form: str, foreach: bool | None, dtype: torch.dtype
+) -> None:
+    functional, hook_class, attribute, expected_of = WITH_VALUES[technique]
     params = params_and_grads(dtype)
-    expected = agc_expected(params)
+    expected = expected_of(params)
     if form == "functional":
-        ratios = agc_(params, foreach=foreach)
+        values = functional(params, foreach=foreach)
     else:
-        hook = AdaptiveGradientClipping(foreach=foreach)
+        hook = hook_class(foreach=foreach)
         optimizer = torch.optim.SGD(params, lr=0.0)
         hook.attach(optimizer)
         optimizer.step()
-        (ratios,) = hook.last_ratios
-    assert_relative(ratios, expected)
+        (values,) = getattr(hook, attribute)
+    assert_relative(values, expected)
 
 
 @FOREACH

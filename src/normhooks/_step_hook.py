@@ -221,11 +221,17 @@ def row_norms(tensor: Tensor) -> Tensor:
         >>> row_norms(torch.tensor([[3.0, 4.0], [0.0, 1.0]]))
         tensor([5., 1.])
     """
-    acc = compute_dtype(tensor.dtype)
-    count, length = tensor.shape[0], math.prod(tensor.shape[1:])
+    dtype = tensor.dtype
     norms: Tensor
-    if tensor.device.type != "cpu" or acc != torch.float32 or length <= _CPU_SHORT:
-        norms = torch.linalg.vector_norm(tensor, dim=tuple(range(1, tensor.ndim)), dtype=acc)
+    if dtype is torch.float64:
+        norms = torch.linalg.vector_norm(tensor, dim=_row_dims(tensor.ndim))
+        return norms
+    acc = torch.float32
+    count, length = tensor.shape[0], math.prod(tensor.shape[1:])
+    if length <= _CPU_SHORT or not tensor.is_cpu:
+        # The dtype only where it differs: vector_norm's dtype= costs a little per call.
+        upcast = None if dtype is acc else acc
+        norms = torch.linalg.vector_norm(tensor, dim=_row_dims(tensor.ndim), dtype=upcast)
         return norms
     rows = tensor.reshape(count, length)
     whole = length // _CPU_ROW * _CPU_ROW
@@ -236,6 +242,17 @@ def row_norms(tensor: Tensor) -> Tensor:
         squares = squares + tail.double().square()
     norms = squares.sqrt().to(acc)
     return norms
+
+
+_ROW_DIMS: dict[int, tuple[int, ...]] = {}
+
+
+def _row_dims(ndim: int) -> tuple[int, ...]:
+    """Every dim but 0, made once per number of dimensions."""
+    dims = _ROW_DIMS.get(ndim)
+    if dims is None:
+        dims = _ROW_DIMS[ndim] = tuple(range(1, ndim))
+    return dims
 
 
 def inverse_scale(grad_scale: Tensor, device: torch.device) -> Tensor:
