@@ -51,7 +51,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable, Iterator
 from types import FrameType
-from typing import Any, TypeVar
+from typing import Any, ClassVar, Generic, Literal, TypeVar
 
 import torch
 from torch import Tensor, nn
@@ -61,6 +61,146 @@ from normhooks import _kernels, _parametrize, _torch_compat
 # A member's validity checks: (the dict that holds an original, its key, the tensor, its
 # version), one per tensor the fused weight was computed from.
 _Check = tuple[dict[str, Any], str, Tensor, int]
+
+# The fused launch a weight joins: its entry point in normhooks._kernels, device, dtype.
+FusionGroup = tuple[str, torch.device, torch.dtype]
+
+# What a parametrization hands a fused launch (see Fusable._fusion_inputs): the group it
+# joins, its kernel plan, its tensors (None for an optional one it lacks), and a check for
+# each tensor it has.
+FusionInputs = tuple[FusionGroup, object, tuple[Tensor | None, ...], tuple[_Check, ...]]
+
+# The device types whose tensors the kernels take (the CPU's only inside
+# _kernels.route_cpu_tensors()).
+_KERNEL_DEVICES = ("cuda", "cpu")
+
+
+# --- a parametrization's route ----------------------------------------------------------------
+
+
+# What a technique's checks resolve a weight's axis to.
+D = TypeVar("D", int, int | None)
+
+
+class Route(Generic[D]):
+    """Where a parametrization's weight is computed: what the checks of its tensors found
+    (the axis, and Scaled WS's ``gamma / sqrt(fan_in)``), the kernels' plan (made at the
+    first forward or scope that needs it), and the fused launch it can join (found at the
+    first fused scope that meets it; False where it can join none)."""
+
+    __slots__ = ("dim", "factor", "group", "plan")
+
+    def __init__(self, dim: D, factor: float | None = None) -> None:
+        self.dim: D = dim
+        self.factor = factor
+        self.plan: object = None
+        self.group: FusionGroup | Literal[False] | None = None
+
+
+# Every Fusable's routes, by what they depend on (see Fusable._route).
+_ROUTES: dict[tuple[object, ...], Route[Any]] = {}
+_MAX_ROUTES = 4096
+
+
+class Fusable(nn.Module, Generic[D]):
+    """A parametrization whose weight a fused launch can compute with others'.
+
+    A subclass checks its tensors (:meth:`_new_route`), names the settings the outcome
+    depends on (:meth:`_route_settings`), where the fused launch finds its tensors
+    (:meth:`_fusion_sources`) and whether it can take them (:meth:`_fusion_plan`); this
+    class keeps each outcome, so a layer pays for its checks once and finds its kernel plan
+    with them, and hands a fused scope what it needs.
+    """
+
+    # The entry point in normhooks._kernels of the fused launch its weights join.
+    _fused_launch: ClassVar[str]
+
+    def _new_route(self, tensors: tuple[Tensor, ...]) -> Route[D]:
+        """Checks ``tensors``, the ones :meth:`_route` was given; raises where they do not fit."""
+        raise NotImplementedError
+
+    def _route_settings(self) -> tuple[object, ...]:
+        """The settings the checks' outcome depends on."""
+        raise NotImplementedError
+
+    def _fusion_sources(self, chain: nn.Module) -> tuple[tuple[dict[str, Any], str], ...] | None:
+        """Where a fused launch finds this weight's tensors, in its order: (the dict that holds
+        one, its key); None where it cannot take this layer."""
+        raise NotImplementedError
+
+    def _fusion_plan(self, tensors: tuple[Tensor | None, ...], route: Route[D]) -> object:
+        """The kernels' plan of this weight where a fused launch can take it, else None."""
+        raise NotImplementedError
+
+    def _route(self, tensors: tuple[Tensor, ...]) -> Route[D]:
+        """The outcome of the checks of ``tensors``, and, where the kernels run, their plan.
+
+        Every path reads the tensors by the layout the checks found (the kernels without
+        bounds checks), so they are checked on every path. In eager code on plain tensors,
+        the outcome is kept by everything it depends on (shapes, strides, dtypes, devices and
+        the settings); under ``torch.compile`` the checks run as they are, static attribute
+        reads.
+        """
+        if torch.compiler.is_compiling() or not _torch_compat.plain_tensors(*tensors):
+            unkept = self._new_route(tensors)
+            unkept.group = False  # not a fused launch's: its tensors are not plain
+            return unkept
+        key: tuple[object, ...] = (type(self), *self._route_settings())
+        for tensor in tensors:
+            key += (tensor.shape, tensor.stride(), tensor.dtype, tensor.device)
+        route = _ROUTES.get(key)
+        if route is None:
+            route = self._new_route(tensors)
+            if len(_ROUTES) >= _MAX_ROUTES:
+                _ROUTES.clear()
+            _ROUTES[key] = route
+        return route
+
+    def _fusion_inputs(self, chain: nn.Module) -> FusionInputs | None:
+        """What a fused launch needs to compute this weight with others, or None where the
+        layer keeps its own path now."""
+        sources = self._fusion_sources(chain)
+        if sources is None:
+            return None
+        tensors = tuple([owner.get(key) for owner, key in sources])
+        present = tuple([t for t in tensors if t is not None])
+        route = self._route(present)
+        group = route.group
+        if group is None:
+            group = route.group = self._fusion_group(tensors, route)
+        # A route found in the cache is of plain tensors of one device, whose type was
+        # checked: for the CPU the routing switch remains.
+        if group is False or group is None:
+            return None
+        if group[1].type == "cpu" and not _kernels.routing_cpu_tensors():
+            return None
+        checks = tuple(
+            [
+                (owner, key, t, t._version)
+                for (owner, key), t in zip(sources, tensors, strict=True)
+                if t is not None
+            ]
+        )
+        return group, route.plan, tensors, checks
+
+    def _fusion_group(
+        self, tensors: tuple[Tensor | None, ...], route: Route[D]
+    ) -> FusionGroup | Literal[False]:
+        """The fused launch a weight of ``route`` joins, or False where it can join none."""
+        # Whether the kernels take the device depends, for the CPU, on the private routing
+        # switch, checked at each scope.
+        first = tensors[0]
+        assert first is not None  # a weight's own tensor is never optional
+        if first.device.type not in _KERNEL_DEVICES:
+            return False
+        for tensor in tensors:
+            if tensor is not None and (
+                tensor.dtype != first.dtype or tensor.device != first.device
+            ):
+                return False
+        if self._fusion_plan(tensors, route) is None:
+            return False
+        return (self._fused_launch, first.device, first.dtype)
 
 
 class _Level:
@@ -173,7 +313,7 @@ def _candidates(module: nn.Module) -> Iterator[str]:
         return
     for name, chain in holder.items():
         modules = chain._modules
-        if len(modules) == 1 and hasattr(modules.get("0"), "_fusion_inputs"):
+        if len(modules) == 1 and isinstance(modules.get("0"), Fusable):
             yield name
 
 
