@@ -35,6 +35,12 @@ scope serves (a layer shared by two models); and members removed or re-parametri
 (checked by identity at each scope). A layer parametrized after :func:`fuse` is found when
 :func:`fuse` runs again; lazy layers, from the forward after their first.
 
+A scope takes the last scope's groups (kernel plans, launches) again where nothing they were
+found from changed: every member current, its settings, and each original the same tensor
+with the same metadata (type, shape, strides, dtype, device, ``requires_grad``; a write
+through ``.data`` changes these without a new version). That reads no tensor's values; the
+values are the served weights' checks (versions), read at each scope and access.
+
 Grad mode: where an original requires grad and autograd can record (not in inference mode),
 the fused weights get their graph even under ``no_grad``, so a weight served to code that
 enables grad inside the forward still trains; a member whose originals require no grad gets
@@ -283,7 +289,7 @@ def _closed(chain: nn.Module) -> _Served:
 class _Member:
     """A parametrized tensor of the model that a fused launch may compute."""
 
-    __slots__ = ("chain", "holder", "module", "name", "parametrization")
+    __slots__ = ("chain", "holder", "module", "name", "parametrization", "stamp")
 
     def __init__(self, module: nn.Module, name: str) -> None:
         self.module = module
@@ -295,6 +301,8 @@ class _Member:
         self.holder: nn.Module = holder
         self.chain: nn.Module = chain
         self.parametrization: Any = chain._modules["0"]
+        # What its fused inputs were last found from (see _stamp).
+        self.stamp: _Stamp | None = None
 
     def current(self) -> bool:
         """Whether the tensor still carries the one parametrization it had when found."""
@@ -303,6 +311,51 @@ class _Member:
             return False
         modules = self.chain._modules
         return modules.get("0") is self.parametrization and "1" not in modules
+
+
+# What a member's fused inputs depend on besides the tensors' values: its settings, and, for
+# each tensor a launch takes from it, where it is, the tensor (kept: its identity) and what
+# its route was keyed by, with its type and whether it requires grad. Metadata only: a write
+# through ``.data`` changes a tensor's shape, strides, dtype or device without a new version.
+_Stamp = tuple[
+    tuple[object, ...],
+    tuple[tuple[dict[str, Any], str], ...] | None,
+    tuple[Tensor | None, ...],
+    tuple[tuple[object, ...] | None, ...],
+]
+
+
+def _metadata(tensor: Tensor | None) -> tuple[object, ...] | None:
+    if tensor is None:
+        return None
+    meta = (type(tensor), tensor.shape, tensor.stride(), tensor.dtype, tensor.device)
+    return (*meta, tensor.requires_grad)
+
+
+def _stamp(member: _Member) -> _Stamp:
+    parametrization = member.parametrization
+    sources = parametrization._fusion_sources(member.chain)
+    tensors = () if sources is None else tuple([owner.get(key) for owner, key in sources])
+    settings = parametrization._route_settings()
+    return settings, sources, tensors, tuple([_metadata(t) for t in tensors])
+
+
+def _unchanged(member: _Member) -> bool:
+    """Whether what ``member``'s fused inputs were found from holds: the same settings, and
+    the same tensors with the same metadata."""
+    stamp = member.stamp
+    if stamp is None:
+        return False
+    settings, sources, tensors, metas = stamp
+    parametrization = member.parametrization
+    if parametrization._route_settings() != settings:
+        return False
+    if sources is None:
+        return parametrization._fusion_sources(member.chain) is None
+    for (owner, key), tensor, meta in zip(sources, tensors, metas, strict=True):
+        if owner.get(key) is not tensor or (tensor is not None and _metadata(tensor) != meta):
+            return False
+    return True
 
 
 def _candidates(module: nn.Module) -> Iterator[str]:
@@ -329,6 +382,26 @@ class _Group:
         self.tensors: list[Tensor | None] = []
         self.checks: list[tuple[_Check, ...]] = []
 
+    def check_again(self) -> None:
+        """Each member's checks with its tensors' versions now: the weights are computed from
+        these."""
+        self.checks = [
+            tuple([(owner, key, tensor, tensor._version) for owner, key, tensor, _ in checks])
+            for checks in self.checks
+        ]
+
+
+class _Layout:
+    """The groups of a model's last scope, and whether a scope may take them again: while
+    every member is current and :func:`_unchanged`, under the same CPU routing."""
+
+    __slots__ = ("groups", "reusable", "routing")
+
+    def __init__(self, groups: dict[_Key, _Group], routing: bool, reusable: bool) -> None:
+        self.groups = groups
+        self.routing = routing
+        self.reusable = reusable
+
 
 # A group's key: (its entry point in normhooks._kernels, device, dtype), whether any of its
 # originals requires grad, and which chunk of those it is.
@@ -348,6 +421,7 @@ class Fusion:
         self.members: list[_Member] = []
         self.lazy: list[nn.Module] = []
         self.levels: list[_Level] = []
+        self.layout: _Layout | None = None
         self.collect()
 
     def collect(self) -> None:
@@ -362,6 +436,7 @@ class Fusion:
             if any(map(_parametrize.is_uninitialized, module._parameters.values())):
                 lazy.append(module)
         self.members, self.lazy = members, lazy
+        self.layout = None
 
     def __getstate__(self) -> dict[str, object]:
         # Open scopes belong to the running forward, not to a copy.
@@ -372,6 +447,7 @@ class Fusion:
         self.members = state["members"]
         self.lazy = state["lazy"]
         self.levels = []
+        self.layout = None
 
     # --- the scope ------------------------------------------------------------------------
 
@@ -400,9 +476,38 @@ class Fusion:
             self.levels.pop().close()
 
     def _groups(self) -> dict[_Key, _Group]:
+        """This scope's groups: the last scope's, where nothing they were found from changed
+        (checking that reads no tensor's values), else found again."""
+        routing = _kernels.routing_cpu_tensors()
+        layout = self.layout
+        if layout is not None and layout.routing == routing and self._holds(layout):
+            for group in layout.groups.values():
+                group.check_again()
+            return layout.groups
+        groups, reusable = self._found()
+        self.layout = _Layout(groups, routing, reusable)
+        return groups
+
+    def _holds(self, layout: _Layout) -> bool:
+        if not layout.reusable:
+            return False
+        for member in self.members:
+            if not member.current():
+                return False
+            existing = member.chain.__dict__.get("forward")
+            if existing is not None and not self._replaceable(existing):
+                return False
+            if not _unchanged(member):
+                return False
+        return True
+
+    def _found(self) -> tuple[dict[_Key, _Group], bool]:
+        """The groups of the members that can join a launch now, and whether the next scope
+        may take them again (not where a member is served by another model's open scope)."""
         groups: dict[_Key, _Group] = {}
         chunks: dict[tuple[tuple[Any, ...], bool], tuple[int, int]] = {}
         stale = False
+        reusable = True
         for member in self.members:
             if not member.current():
                 stale = True
@@ -410,7 +515,9 @@ class Fusion:
             chain = member.chain
             existing = chain.__dict__.get("forward")
             if existing is not None and not self._replaceable(existing):
+                reusable = False
                 continue
+            member.stamp = _stamp(member)
             try:
                 found = member.parametrization._fusion_inputs(chain)
             except Exception:
@@ -440,7 +547,7 @@ class Fusion:
             group.checks.append(checks)
         if stale:
             self.members = [m for m in self.members if m.current()]
-        return groups
+        return groups, reusable
 
     def _serve(self, groups: dict[_Key, _Group], level: _Level) -> None:
         on_cuda = any(key[1].type == "cuda" for key, _, _ in groups)
@@ -494,6 +601,7 @@ class Fusion:
                 still.append(module)
             else:
                 self.members.extend(_Member(module, name) for name in _candidates(module))
+                self.layout = None
         self.lazy = still
 
 
