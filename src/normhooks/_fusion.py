@@ -151,7 +151,7 @@ class Fusable(nn.Module, Generic[D]):
             unkept = self._new_route(tensors)
             unkept.group = False  # not a fused launch's: its tensors are not plain
             return unkept
-        key: tuple[object, ...] = (type(self), *self._route_settings())
+        key: tuple[object, ...] = (type(self), self._route_settings())
         for tensor in tensors:
             key += (tensor.shape, tensor.stride(), tensor.dtype, tensor.device)
         route = _ROUTES.get(key)
