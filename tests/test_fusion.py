@@ -229,6 +229,15 @@ def train(model: nn.Module, run: Callable[[nn.Module], Tensor]) -> Tensor:
     return out.detach()
 
 
+def trains_like_reference(
+    plain: nn.Module, model: nn.Module, kind: Kind, run: Callable[[nn.Module], Tensor]
+) -> None:
+    """Trains ``model`` one step on ``run`` and checks its output and gradients against
+    :func:`reference`'s."""
+    expected = reference(plain, model, kind, run)
+    assert_matches(model, train(model, run), expected)
+
+
 def assert_matches(
     model: nn.Module, out: Tensor, expected: tuple[Tensor, dict[str, Tensor | None]]
 ) -> None:
@@ -265,12 +274,10 @@ def test_a_train_step_matches_the_formula_in_one_launch_each_way(
     model = kind.convert(copy.deepcopy(plain))
     zero(calls)
     x = inputs()
-    expected = reference(plain, model, kind, lambda m: m(x))
-    out = train(model, lambda m: m(x))
+    trains_like_reference(plain, model, kind, lambda m: m(x))
     assert calls[kind.entry] == 1
     assert own_calls(calls) == 0
     assert launches == {"forward": 1, "backward": 1}
-    assert_matches(model, out, expected)
     assert served(model) == []
 
 
@@ -279,13 +286,11 @@ def test_a_layer_run_twice_and_one_never_run(kind: Kind, calls: dict[str, int]) 
     plain = Twice().double()
     model = kind.convert(copy.deepcopy(plain))
     x = inputs()
-    expected = reference(plain, model, kind, lambda m: m(x))
-    out = train(model, lambda m: m(x))
+    trains_like_reference(plain, model, kind, lambda m: m(x))
     assert calls[kind.entry] == 1
     # The unused layer's originals get no gradient, None, exactly as without fusion.
     unused = [p.grad for p in model.unused.parametrizations.weight.parameters()]
     assert unused == [None] * len(unused)
-    assert_matches(model, out, expected)
 
 
 def test_layers_that_require_no_grad_get_weights_that_require_none() -> None:
@@ -345,12 +350,10 @@ def test_large_models_are_fused_in_groups_of_bounded_size(
     model = apply_weight_norm(copy.deepcopy(plain))
     zero(calls)
     x = inputs()
-    expected = reference(plain, model, WN, lambda m: m(x))
-    out = train(model, lambda m: m(x))
+    trains_like_reference(plain, model, WN, lambda m: m(x))
     # 76 + 222 values (g and v), then 42 + 21: two groups.
     assert calls["fuse_weight_norms"] == 2
     assert own_calls(calls) == 0
-    assert_matches(model, out, expected)
 
 
 def test_two_dtypes_take_one_launch_each(calls: dict[str, int]) -> None:
@@ -572,11 +575,9 @@ def test_non_contiguous_weights_keep_their_own_path(kind: Kind, calls: dict[str,
     model[3].to(memory_format=torch.channels_last)
     zero(calls)
     x = inputs()
-    expected = reference(plain, model, kind, lambda m: m(x))
-    out = train(model, lambda m: m(x))
+    trains_like_reference(plain, model, kind, lambda m: m(x))
     assert calls[kind.entry] == 1
     assert own_calls(calls) == 1
-    assert_matches(model, out, expected)
 
 
 def test_weight_norm_of_the_whole_tensor_keeps_its_own_path(calls: dict[str, int]) -> None:
@@ -586,10 +587,59 @@ def test_weight_norm_of_the_whole_tensor_keeps_its_own_path(calls: dict[str, int
     g = model[0].parametrizations.weight.original0
     model[0].parametrizations.weight.original0 = nn.Parameter(g.detach().norm().reshape(()))
     x = inputs()
-    expected = reference(plain, model, WN, lambda m: m(x))
-    out = train(model, lambda m: m(x))
+    trains_like_reference(plain, model, WN, lambda m: m(x))
     assert calls["fuse_weight_norms"] == 1
-    assert_matches(model, out, expected)
+
+
+def weight_shaped(chain: nn.Module) -> Tensor:
+    """The original of a chain that is shaped like its weight: WN's v, WS's raw weight."""
+    return chain.original1 if "original1" in chain._parameters else chain.original
+
+
+def replace_it(chain: nn.Module) -> None:
+    name = "original1" if "original1" in chain._parameters else "original"
+    setattr(chain, name, nn.Parameter(weight_shaped(chain).detach() * 2))
+
+
+def restride_it(chain: nn.Module) -> None:
+    # A write through .data changes the strides without a new version.
+    original = weight_shaped(chain)
+    original.data = original.data.to(memory_format=torch.channels_last)
+
+
+def freeze_it(chain: nn.Module) -> None:
+    for p in chain.parameters():
+        p.requires_grad_(False)
+
+
+def change_its_eps(chain: nn.Module) -> None:
+    chain[0].eps = 0.25
+
+
+# Each change, the fused launches of the next forward (a layer whose originals require no
+# grad gets a launch of its own), and how many layers then compute their weight on their own
+# (a non-contiguous weight does).
+CHANGES = {
+    "an original replaced": (replace_it, 1, 0),
+    "strides changed through .data": (restride_it, 1, 1),
+    "requires_grad switched off": (freeze_it, 2, 0),
+    "eps changed": (change_its_eps, 1, 0),
+}
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize(("change", "fused", "own"), CHANGES.values(), ids=CHANGES.keys())
+def test_a_change_between_two_forwards_is_seen_by_the_next(
+    kind: Kind, change: Callable[[nn.Module], None], fused: int, own: int, calls: dict[str, int]
+) -> None:
+    plain = cnn()
+    model = kind.convert(copy.deepcopy(plain))
+    x = inputs()
+    model(x)  # a scope finds the groups, which the next ones take while nothing changes
+    change(model[3].parametrizations.weight)
+    zero(calls)
+    trains_like_reference(plain, model, kind, lambda m: m(x))
+    assert (calls[kind.entry], own_calls(calls)) == (fused, own)
 
 
 # --------------------------------------------------------------------------------------------
@@ -601,10 +651,8 @@ def test_a_removed_layer_leaves_the_others_fused(calls: dict[str, int]) -> None:
     model = apply_weight_norm(copy.deepcopy(plain))
     remove_weight_norm(model[3], "weight")
     x = inputs()
-    expected = reference(plain, model, WN, lambda m: m(x))
-    out = train(model, lambda m: m(x))
+    trains_like_reference(plain, model, WN, lambda m: m(x))
     assert calls["fuse_weight_norms"] == 1
-    assert_matches(model, out, expected)
 
 
 def test_a_parametrization_removed_by_hand_leaves_the_others_fused(calls: dict[str, int]) -> None:
@@ -613,11 +661,9 @@ def test_a_parametrization_removed_by_hand_leaves_the_others_fused(calls: dict[s
     parametrize.remove_parametrizations(model[0], "weight")
     zero(calls)
     x = inputs()
-    expected = reference(plain, model, WN, lambda m: m(x))
-    out = train(model, lambda m: m(x))
+    trains_like_reference(plain, model, WN, lambda m: m(x))
     assert calls["fuse_weight_norms"] == 1
     assert own_calls(calls) == 0
-    assert_matches(model, out, expected)
     assert len(_fusion.fusion_of(model).members) == 3  # type: ignore[union-attr]
 
 
@@ -636,10 +682,8 @@ def test_a_layer_parametrized_again_by_hand_takes_its_own_path_until_fused_again
     weight_norm(model[4])
     zero(calls)
     x = inputs()
-    expected = reference(plain, model, WN, lambda m: m(x))
-    out = train(model, lambda m: m(x))
+    trains_like_reference(plain, model, WN, lambda m: m(x))
     assert calls["planned_weight_norm"] == 1
-    assert_matches(model, out, expected)
     _fusion.fuse(model)
     model(x)
     assert calls["planned_weight_norm"] == 1
@@ -684,8 +728,7 @@ def test_a_deep_copy_is_fused_on_its_own() -> None:
             p.mul_(0.5)
     x = inputs()
     for m in (model, twin):
-        expected = reference(plain, m, WN, lambda r: r(x))
-        assert_matches(m, train(m, lambda r: r(x)), expected)
+        trains_like_reference(plain, m, WN, lambda r: r(x))
 
 
 def test_a_deep_copy_inside_the_same_forward_gets_its_own_weights() -> None:
@@ -707,8 +750,7 @@ def test_a_deep_copy_inside_the_same_forward_gets_its_own_weights() -> None:
             p.mul_(0.5)
     x = inputs()
     plain = StudentTeacher(cnn())
-    expected = reference(plain, model, WN, lambda m: m(x))
-    assert_matches(model, train(model, lambda m: m(x)), expected)
+    trains_like_reference(plain, model, WN, lambda m: m(x))
 
 
 def test_the_scope_pickles_with_its_model() -> None:
@@ -789,10 +831,8 @@ def test_a_weight_is_not_served_on_another_stream_than_it_was_computed_on(
     model[3].register_forward_pre_hook(on_another_stream)
     zero(calls)
     x = inputs()
-    expected = reference(plain, model, WN, lambda m: m(x))
-    out = train(model, lambda m: m(x))
+    trains_like_reference(plain, model, WN, lambda m: m(x))
     assert (calls["fuse_weight_norms"], calls["planned_weight_norm"]) == (1, 1)
-    assert_matches(model, out, expected)
 
 
 def test_a_weight_changed_in_place_inside_the_forward_is_seen() -> None:

@@ -35,6 +35,12 @@ scope serves (a layer shared by two models); and members removed or re-parametri
 (checked by identity at each scope). A layer parametrized after :func:`fuse` is found when
 :func:`fuse` runs again; lazy layers, from the forward after their first.
 
+A scope takes the last scope's groups (kernel plans, launches) again where nothing they were
+found from changed: every member current, its settings, and each original the same tensor
+with the same metadata (type, shape, strides, dtype, device, ``requires_grad``; a write
+through ``.data`` changes these without a new version). That reads no tensor's values; the
+values are the served weights' checks (versions), read at each scope and access.
+
 Grad mode: where an original requires grad and autograd can record (not in inference mode),
 the fused weights get their graph even under ``no_grad``, so a weight served to code that
 enables grad inside the forward still trains; a member whose originals require no grad gets
@@ -51,7 +57,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable, Iterator
 from types import FrameType
-from typing import Any, TypeVar
+from typing import Any, ClassVar, Generic, Literal, TypeVar
 
 import torch
 from torch import Tensor, nn
@@ -61,6 +67,146 @@ from normhooks import _kernels, _parametrize, _torch_compat
 # A member's validity checks: (the dict that holds an original, its key, the tensor, its
 # version), one per tensor the fused weight was computed from.
 _Check = tuple[dict[str, Any], str, Tensor, int]
+
+# The fused launch a weight joins: its entry point in normhooks._kernels, device, dtype.
+FusionGroup = tuple[str, torch.device, torch.dtype]
+
+# What a parametrization hands a fused launch (see Fusable._fusion_inputs): the group it
+# joins, its kernel plan, its tensors (None for an optional one it lacks), and a check for
+# each tensor it has.
+FusionInputs = tuple[FusionGroup, object, tuple[Tensor | None, ...], tuple[_Check, ...]]
+
+# The device types whose tensors the kernels take (the CPU's only inside
+# _kernels.route_cpu_tensors()).
+_KERNEL_DEVICES = ("cuda", "cpu")
+
+
+# --- a parametrization's route ----------------------------------------------------------------
+
+
+# What a technique's checks resolve a weight's axis to.
+D = TypeVar("D", int, int | None)
+
+
+class Route(Generic[D]):
+    """Where a parametrization's weight is computed: what the checks of its tensors found
+    (the axis, and Scaled WS's ``gamma / sqrt(fan_in)``), the kernels' plan (made at the
+    first forward or scope that needs it), and the fused launch it can join (found at the
+    first fused scope that meets it; False where it can join none)."""
+
+    __slots__ = ("dim", "factor", "group", "plan")
+
+    def __init__(self, dim: D, factor: float | None = None) -> None:
+        self.dim: D = dim
+        self.factor = factor
+        self.plan: object = None
+        self.group: FusionGroup | Literal[False] | None = None
+
+
+# Every Fusable's routes, by what they depend on (see Fusable._route).
+_ROUTES: dict[tuple[object, ...], Route[Any]] = {}
+_MAX_ROUTES = 4096
+
+
+class Fusable(nn.Module, Generic[D]):
+    """A parametrization whose weight a fused launch can compute with others'.
+
+    A subclass checks its tensors (:meth:`_new_route`), names the settings the outcome
+    depends on (:meth:`_route_settings`), where the fused launch finds its tensors
+    (:meth:`_fusion_sources`) and whether it can take them (:meth:`_fusion_plan`); this
+    class keeps each outcome, so a layer pays for its checks once and finds its kernel plan
+    with them, and hands a fused scope what it needs.
+    """
+
+    # The entry point in normhooks._kernels of the fused launch its weights join.
+    _fused_launch: ClassVar[str]
+
+    def _new_route(self, tensors: tuple[Tensor, ...]) -> Route[D]:
+        """Checks ``tensors``, the ones :meth:`_route` was given; raises where they do not fit."""
+        raise NotImplementedError
+
+    def _route_settings(self) -> tuple[object, ...]:
+        """The settings the checks' outcome depends on."""
+        raise NotImplementedError
+
+    def _fusion_sources(self, chain: nn.Module) -> tuple[tuple[dict[str, Any], str], ...] | None:
+        """Where a fused launch finds this weight's tensors, in its order: (the dict that holds
+        one, its key); None where it cannot take this layer."""
+        raise NotImplementedError
+
+    def _fusion_plan(self, tensors: tuple[Tensor | None, ...], route: Route[D]) -> object:
+        """The kernels' plan of this weight where a fused launch can take it, else None."""
+        raise NotImplementedError
+
+    def _route(self, tensors: tuple[Tensor, ...]) -> Route[D]:
+        """The outcome of the checks of ``tensors``, and, where the kernels run, their plan.
+
+        Every path reads the tensors by the layout the checks found (the kernels without
+        bounds checks), so they are checked on every path. In eager code on plain tensors,
+        the outcome is kept by everything it depends on (shapes, strides, dtypes, devices and
+        the settings); under ``torch.compile`` the checks run as they are, static attribute
+        reads.
+        """
+        if torch.compiler.is_compiling() or not _torch_compat.plain_tensors(*tensors):
+            unkept = self._new_route(tensors)
+            unkept.group = False  # not a fused launch's: its tensors are not plain
+            return unkept
+        key: tuple[object, ...] = (type(self), self._route_settings())
+        for tensor in tensors:
+            key += (tensor.shape, tensor.stride(), tensor.dtype, tensor.device)
+        route = _ROUTES.get(key)
+        if route is None:
+            route = self._new_route(tensors)
+            if len(_ROUTES) >= _MAX_ROUTES:
+                _ROUTES.clear()
+            _ROUTES[key] = route
+        return route
+
+    def _fusion_inputs(self, chain: nn.Module) -> FusionInputs | None:
+        """What a fused launch needs to compute this weight with others, or None where the
+        layer keeps its own path now."""
+        sources = self._fusion_sources(chain)
+        if sources is None:
+            return None
+        tensors = tuple([owner.get(key) for owner, key in sources])
+        present = tuple([t for t in tensors if t is not None])
+        route = self._route(present)
+        group = route.group
+        if group is None:
+            group = route.group = self._fusion_group(tensors, route)
+        # A route found in the cache is of plain tensors of one device, whose type was
+        # checked: for the CPU the routing switch remains.
+        if group is False or group is None:
+            return None
+        if group[1].type == "cpu" and not _kernels.routing_cpu_tensors():
+            return None
+        checks = tuple(
+            [
+                (owner, key, t, t._version)
+                for (owner, key), t in zip(sources, tensors, strict=True)
+                if t is not None
+            ]
+        )
+        return group, route.plan, tensors, checks
+
+    def _fusion_group(
+        self, tensors: tuple[Tensor | None, ...], route: Route[D]
+    ) -> FusionGroup | Literal[False]:
+        """The fused launch a weight of ``route`` joins, or False where it can join none."""
+        # Whether the kernels take the device depends, for the CPU, on the private routing
+        # switch, checked at each scope.
+        first = tensors[0]
+        assert first is not None  # a weight's own tensor is never optional
+        if first.device.type not in _KERNEL_DEVICES:
+            return False
+        for tensor in tensors:
+            if tensor is not None and (
+                tensor.dtype != first.dtype or tensor.device != first.device
+            ):
+                return False
+        if self._fusion_plan(tensors, route) is None:
+            return False
+        return (self._fused_launch, first.device, first.dtype)
 
 
 class _Level:
@@ -143,7 +289,7 @@ def _closed(chain: nn.Module) -> _Served:
 class _Member:
     """A parametrized tensor of the model that a fused launch may compute."""
 
-    __slots__ = ("chain", "holder", "module", "name", "parametrization")
+    __slots__ = ("chain", "holder", "module", "name", "parametrization", "stamp")
 
     def __init__(self, module: nn.Module, name: str) -> None:
         self.module = module
@@ -155,6 +301,8 @@ class _Member:
         self.holder: nn.Module = holder
         self.chain: nn.Module = chain
         self.parametrization: Any = chain._modules["0"]
+        # What its fused inputs were last found from (see _stamp).
+        self.stamp: _Stamp | None = None
 
     def current(self) -> bool:
         """Whether the tensor still carries the one parametrization it had when found."""
@@ -165,6 +313,51 @@ class _Member:
         return modules.get("0") is self.parametrization and "1" not in modules
 
 
+# What a member's fused inputs depend on besides the tensors' values: its settings, and, for
+# each tensor a launch takes from it, where it is, the tensor (kept: its identity) and what
+# its route was keyed by, with its type and whether it requires grad. Metadata only: a write
+# through ``.data`` changes a tensor's shape, strides, dtype or device without a new version.
+_Stamp = tuple[
+    tuple[object, ...],
+    tuple[tuple[dict[str, Any], str], ...] | None,
+    tuple[Tensor | None, ...],
+    tuple[tuple[object, ...] | None, ...],
+]
+
+
+def _metadata(tensor: Tensor | None) -> tuple[object, ...] | None:
+    if tensor is None:
+        return None
+    meta = (type(tensor), tensor.shape, tensor.stride(), tensor.dtype, tensor.device)
+    return (*meta, tensor.requires_grad)
+
+
+def _stamp(member: _Member) -> _Stamp:
+    parametrization = member.parametrization
+    sources = parametrization._fusion_sources(member.chain)
+    tensors = () if sources is None else tuple([owner.get(key) for owner, key in sources])
+    settings = parametrization._route_settings()
+    return settings, sources, tensors, tuple([_metadata(t) for t in tensors])
+
+
+def _unchanged(member: _Member) -> bool:
+    """Whether what ``member``'s fused inputs were found from holds: the same settings, and
+    the same tensors with the same metadata."""
+    stamp = member.stamp
+    if stamp is None:
+        return False
+    settings, sources, tensors, metas = stamp
+    parametrization = member.parametrization
+    if parametrization._route_settings() != settings:
+        return False
+    if sources is None:
+        return parametrization._fusion_sources(member.chain) is None
+    for (owner, key), tensor, meta in zip(sources, tensors, metas, strict=True):
+        if owner.get(key) is not tensor or (tensor is not None and _metadata(tensor) != meta):
+            return False
+    return True
+
+
 def _candidates(module: nn.Module) -> Iterator[str]:
     """The names of ``module``'s tensors parametrized by one parametrization that knows how
     to join a fused launch."""
@@ -173,7 +366,7 @@ def _candidates(module: nn.Module) -> Iterator[str]:
         return
     for name, chain in holder.items():
         modules = chain._modules
-        if len(modules) == 1 and hasattr(modules.get("0"), "_fusion_inputs"):
+        if len(modules) == 1 and isinstance(modules.get("0"), Fusable):
             yield name
 
 
@@ -188,6 +381,26 @@ class _Group:
         self.plans: list[object] = []
         self.tensors: list[Tensor | None] = []
         self.checks: list[tuple[_Check, ...]] = []
+
+    def check_again(self) -> None:
+        """Each member's checks with its tensors' versions now: the weights are computed from
+        these."""
+        self.checks = [
+            tuple([(owner, key, tensor, tensor._version) for owner, key, tensor, _ in checks])
+            for checks in self.checks
+        ]
+
+
+class _Layout:
+    """The groups of a model's last scope, and whether a scope may take them again: while
+    every member is current and :func:`_unchanged`, under the same CPU routing."""
+
+    __slots__ = ("groups", "reusable", "routing")
+
+    def __init__(self, groups: dict[_Key, _Group], routing: bool, reusable: bool) -> None:
+        self.groups = groups
+        self.routing = routing
+        self.reusable = reusable
 
 
 # A group's key: (its entry point in normhooks._kernels, device, dtype), whether any of its
@@ -208,6 +421,7 @@ class Fusion:
         self.members: list[_Member] = []
         self.lazy: list[nn.Module] = []
         self.levels: list[_Level] = []
+        self.layout: _Layout | None = None
         self.collect()
 
     def collect(self) -> None:
@@ -222,6 +436,7 @@ class Fusion:
             if any(map(_parametrize.is_uninitialized, module._parameters.values())):
                 lazy.append(module)
         self.members, self.lazy = members, lazy
+        self.layout = None
 
     def __getstate__(self) -> dict[str, object]:
         # Open scopes belong to the running forward, not to a copy.
@@ -232,6 +447,7 @@ class Fusion:
         self.members = state["members"]
         self.lazy = state["lazy"]
         self.levels = []
+        self.layout = None
 
     # --- the scope ------------------------------------------------------------------------
 
@@ -260,9 +476,38 @@ class Fusion:
             self.levels.pop().close()
 
     def _groups(self) -> dict[_Key, _Group]:
+        """This scope's groups: the last scope's, where nothing they were found from changed
+        (checking that reads no tensor's values), else found again."""
+        routing = _kernels.routing_cpu_tensors()
+        layout = self.layout
+        if layout is not None and layout.routing == routing and self._holds(layout):
+            for group in layout.groups.values():
+                group.check_again()
+            return layout.groups
+        groups, reusable = self._found()
+        self.layout = _Layout(groups, routing, reusable)
+        return groups
+
+    def _holds(self, layout: _Layout) -> bool:
+        if not layout.reusable:
+            return False
+        for member in self.members:
+            if not member.current():
+                return False
+            existing = member.chain.__dict__.get("forward")
+            if existing is not None and not self._replaceable(existing):
+                return False
+            if not _unchanged(member):
+                return False
+        return True
+
+    def _found(self) -> tuple[dict[_Key, _Group], bool]:
+        """The groups of the members that can join a launch now, and whether the next scope
+        may take them again (not where a member is served by another model's open scope)."""
         groups: dict[_Key, _Group] = {}
         chunks: dict[tuple[tuple[Any, ...], bool], tuple[int, int]] = {}
         stale = False
+        reusable = True
         for member in self.members:
             if not member.current():
                 stale = True
@@ -270,7 +515,9 @@ class Fusion:
             chain = member.chain
             existing = chain.__dict__.get("forward")
             if existing is not None and not self._replaceable(existing):
+                reusable = False
                 continue
+            member.stamp = _stamp(member)
             try:
                 found = member.parametrization._fusion_inputs(chain)
             except Exception:
@@ -300,7 +547,7 @@ class Fusion:
             group.checks.append(checks)
         if stale:
             self.members = [m for m in self.members if m.current()]
-        return groups
+        return groups, reusable
 
     def _serve(self, groups: dict[_Key, _Group], level: _Level) -> None:
         on_cuda = any(key[1].type == "cuda" for key, _, _ in groups)
@@ -354,6 +601,7 @@ class Fusion:
                 still.append(module)
             else:
                 self.members.extend(_Member(module, name) for name in _candidates(module))
+                self.layout = None
         self.lazy = still
 
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, TypeVar
+from typing import Any, TypeVar
 
 import torch
 from torch import Tensor, nn
@@ -158,41 +158,7 @@ class _WeightNormFunction(torch.autograd.Function):
 # --- the parametrization --------------------------------------------------------------------
 
 
-class _Route:
-    """Where a layer's weight is computed: the axis of v after the checks, the kernels'
-    plan (made at the first forward that runs them), and the fused launch it can join (found
-    at the first fused scope that meets it; False where it can join none)."""
-
-    __slots__ = ("dim", "group", "plan")
-
-    def __init__(self, dim: int | None) -> None:
-        self.dim = dim
-        self.plan: object = None
-        self.group: FusionGroup | Literal[False] | None = None
-
-
-# The fused launch a weight joins: its entry point in normhooks._kernels, device, dtype.
-FusionGroup = tuple[str, torch.device, torch.dtype]
-
-# What a parametrization hands a fused launch (see WeightNorm._fusion_inputs): the group it
-# joins, its kernel plan, its tensors, and (dict, key, tensor, version) for each of them.
-FusionInputs = tuple[
-    "FusionGroup",
-    object,
-    tuple[Tensor | None, ...],
-    tuple[tuple[dict[str, Any], str, Tensor, int], ...],
-]
-
-# The device types whose tensors the kernels take (the CPU's only inside
-# _kernels.route_cpu_tensors()).
-_KERNEL_DEVICES = ("cuda", "cpu")
-
-# WeightNorm's routes, by what they depend on (see WeightNorm._route).
-_ROUTES: dict[tuple[object, ...], _Route] = {}
-_MAX_ROUTES = 4096
-
-
-class WeightNorm(nn.Module):
+class WeightNorm(_fusion.Fusable[int | None]):
     r"""Parametrization ``(g, v) -> W = g * v / (||v|| + eps)``, norms over all axes but ``dim``.
 
     Its ``right_inverse`` is the original converter's decomposition of a weight :math:`W`:
@@ -225,7 +191,7 @@ class WeightNorm(nn.Module):
         self.legacy_keys = False
 
     def forward(self, g: Tensor, v: Tensor) -> Tensor:
-        route = self._route(g, v)
+        route = self._route((g, v))
         dim = route.dim
         if g.dtype != v.dtype:
             # The fused kernels and torch's fused op take one dtype; the formula promotes.
@@ -249,65 +215,33 @@ class WeightNorm(nn.Module):
         result: Tensor = _WeightNormFunction.apply(g, v, dim, self.eps)  # type: ignore[no-untyped-call]
         return result
 
-    def _route(self, g: Tensor, v: Tensor) -> _Route:
-        """The outcome of the checks of g and v: the axis of v with one norm per index, and,
-        where the kernels run, their plan.
+    _fused_launch = "fuse_weight_norms"
 
-        Every path reads g by v's layout (torch's fused op and the kernels index it per row
-        without bounds checks), so g's shape is checked here, on every path. In eager code
-        on plain tensors, the outcome is kept by everything it depends on (shapes, strides,
-        dtypes, devices, ``dim`` and ``eps``), so a layer pays for its checks once and finds
-        its kernel plan with them; under ``torch.compile`` they run as they are, static
-        attribute reads.
-        """
-        if torch.compiler.is_compiling() or not _torch_compat.plain_tensors(g, v):
-            unkept = _Route(self._check(g, v))
-            unkept.group = False  # not a fused launch's: its tensors are not plain
-            return unkept
-        key: tuple[object, ...] = (v.shape, v.stride(), v.dtype, v.device, g.shape, g.stride())
-        key += (g.dtype, g.device, self.dim, self.eps)
-        route = _ROUTES.get(key)
-        if route is None:
-            route = _Route(self._check(g, v))
-            if len(_ROUTES) >= _MAX_ROUTES:
-                _ROUTES.clear()
-            _ROUTES[key] = route
-        return route
+    def _route_settings(self) -> tuple[object, ...]:
+        return self.dim, self.eps
 
-    def _fusion_inputs(self, chain: nn.Module) -> FusionInputs | None:
-        """What a fused launch (:mod:`normhooks._fusion`) needs to compute this weight with
-        others, or None where the layer keeps its own path now."""
+    def _new_route(self, tensors: tuple[Tensor, ...]) -> _fusion.Route[int | None]:
+        # g's shape is checked on every path: torch's fused op and the kernels index it per
+        # row of v without bounds checks.
+        g, v = tensors
+        return _fusion.Route(self._check(g, v))
+
+    def _fusion_sources(self, chain: nn.Module) -> tuple[tuple[dict[str, Any], str], ...] | None:
         originals = chain._parameters
-        g, v = originals.get("original0"), originals.get("original1")
-        if g is None or v is None or self.dim is None:
+        if self.dim is None or originals.get("original0") is None:
             return None
-        route = self._route(g, v)
-        group = route.group
-        if group is None:
-            group = route.group = self._fusion_group(g, v, route)
-        # A route found in the cache is of plain tensors of one device, whose type was
-        # checked: for the CPU the routing switch remains.
-        if group is False or group is None:
-            return None
-        if group[1].type == "cpu" and not _kernels.routing_cpu_tensors():
-            return None
-        checks = ((originals, "original0", g, g._version), (originals, "original1", v, v._version))
-        return group, route.plan, (g, v), checks
+        return (originals, "original0"), (originals, "original1")
 
-    def _fusion_group(self, g: Tensor, v: Tensor, route: _Route) -> FusionGroup | Literal[False]:
-        """The fused launch a layer of ``route`` joins (where its tensors are on a device the
-        kernels take), or False where it can join none."""
-        # Where the kernels may take it: whether they do depends on the device's type, and
-        # for the CPU on the private routing switch, checked at each scope.
-        if route.dim is None or g.dtype != v.dtype or g.device != v.device:
-            return False
-        if v.device.type not in _KERNEL_DEVICES:
-            return False
+    def _fusion_plan(
+        self, tensors: tuple[Tensor | None, ...], route: _fusion.Route[int | None]
+    ) -> object:
+        g, v = tensors
+        assert g is not None  # both are WN's own originals
+        assert v is not None
+        assert route.dim is not None  # _fusion_sources takes no layer of dim=None
         if route.plan is None:
             route.plan = _kernels.weight_norm_plan(g, v, route.dim, self.eps, _weight_norm)
-        if not _kernels.weight_norm_fusable(route.plan):
-            return False
-        return ("fuse_weight_norms", v.device, v.dtype)
+        return route.plan if _kernels.weight_norm_fusable(route.plan) else None
 
     def _check(self, g: Tensor, v: Tensor) -> int | None:
         _parametrize.check_tensor(v, "v", _WHAT)

@@ -12,12 +12,12 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from normhooks import _checks, _fusion, _kernels, _parametrize, _torch_compat
+from normhooks import _checks, _fusion, _kernels, _parametrize
 from normhooks._parametrize import describe
 from normhooks._precision import upcast
 from normhooks._torch_compat import ConvNd
@@ -147,7 +147,7 @@ def _standardize(
     groups: int,
     gain: Tensor | None,
     factor: float | None = None,
-    route: _Route | None = None,
+    route: _fusion.Route[int] | None = None,
 ) -> Tensor:
     """:func:`standardize_weight` on checked arguments, ``dim`` in ``range(weight.ndim)``,
     with the gain scaled by ``factor`` (Scaled WS's ``gamma / sqrt(fan_in)``) when given.
@@ -188,44 +188,7 @@ def _standardize(
     return _unrows(standardized.to(weight.dtype), shape, dim, groups)
 
 
-class _Route:
-    """Where a parametrization's weight is computed: the standardized axis after the checks,
-    Scaled WS's ``gamma / sqrt(fan_in)``, and the kernels' plan, made at the first forward
-    that runs them."""
-
-    __slots__ = ("dim", "factor", "group", "plan")
-
-    def __init__(self, dim: int, factor: float | None = None) -> None:
-        self.dim = dim
-        self.factor = factor
-        self.plan: object = None
-        # The fused launch it can join, found at the first fused scope that meets it; False
-        # where it can join none.
-        self.group: FusionGroup | Literal[False] | None = None
-
-
-# The fused launch a weight joins: its entry point in normhooks._kernels, device, dtype.
-FusionGroup = tuple[str, torch.device, torch.dtype]
-
-# What a parametrization hands a fused launch (see WeightStandardization._fusion_inputs): the
-# group it joins, its kernel plan, its tensors, and (dict, key, tensor, version) for each.
-FusionInputs = tuple[
-    "FusionGroup",
-    object,
-    tuple[Tensor | None, ...],
-    tuple[tuple[dict[str, Any], str, Tensor, int], ...],
-]
-
-# The device types whose tensors the kernels take (the CPU's only inside
-# _kernels.route_cpu_tensors()).
-_KERNEL_DEVICES = ("cuda", "cpu")
-
-# The parametrizations' routes, by what they depend on (see WeightStandardization._route).
-_ROUTES: dict[tuple[object, ...], _Route] = {}
-_MAX_ROUTES = 4096
-
-
-class WeightStandardization(nn.Module):
+class WeightStandardization(_fusion.Fusable[int]):
     r"""Parametrization ``W -> (W - mean) / sqrt(var + eps)``, statistics per slice of ``dim``.
 
     Register it with :func:`weight_standardization`, or directly with
@@ -254,90 +217,38 @@ class WeightStandardization(nn.Module):
         self.dim = _checks.integer("dim", dim)
         self.groups = _checks.positive_int("groups", groups)
 
+    _fused_launch = "fuse_standardizations"
+
     def _axis(self, weight: Tensor) -> int:
         """The standardized axis of ``weight``, after the checks of :func:`standardize_weight`
         that its arguments need (the settings were checked at construction)."""
-        return self._route(weight).dim
+        return self._route((weight,)).dim
 
-    def _route(self, weight: Tensor, gain: Tensor | None = None) -> _Route:
-        """The outcome of the checks of ``weight`` (and of ``gain``, for Scaled WS): the
-        standardized axis, and where the kernels run, their plan.
-
-        In eager code on plain tensors, the outcome is kept by everything it depends on
-        (shapes, strides, dtypes, devices and the settings), so a layer pays for its checks
-        once and finds its kernel plan with them; under ``torch.compile`` they run as they
-        are, static attribute reads.
-        """
-        plain = (
-            _torch_compat.plain_tensors(weight)
-            if gain is None
-            else _torch_compat.plain_tensors(weight, gain)
-        )
-        if torch.compiler.is_compiling() or not plain:
-            unkept = self._new_route(weight, gain)
-            unkept.group = False  # not a fused launch's: its tensors are not plain
-            return unkept
-        key: tuple[object, ...] = (weight.shape, weight.stride(), weight.dtype, weight.device)
-        key += (type(self), self.dim, self.groups, self.eps)
-        if gain is not None:
-            key += (gain.shape, gain.stride(), gain.dtype, gain.device, self._gamma())
-        route = _ROUTES.get(key)
-        if route is None:
-            route = self._new_route(weight, gain)
-            if len(_ROUTES) >= _MAX_ROUTES:
-                _ROUTES.clear()
-            _ROUTES[key] = route
-        return route
+    def _route_settings(self) -> tuple[object, ...]:
+        return self.dim, self.groups, self.eps, self._gamma()
 
     def _gamma(self) -> float:
         return 1.0
 
-    def _gain(self) -> Tensor | None:
-        return None
-
-    def _fusion_inputs(self, chain: nn.Module) -> FusionInputs | None:
-        """What a fused launch (:mod:`normhooks._fusion`) needs to compute this weight with
-        others, or None where the layer keeps its own path now."""
+    def _fusion_sources(self, chain: nn.Module) -> tuple[tuple[dict[str, Any], str], ...] | None:
         originals = chain._parameters
-        weight = originals.get("original")
-        if weight is None or self.groups != 1:
+        if self.groups != 1 or originals.get("original") is None:
             return None
-        gain = self._gain()
-        route = self._route(weight, gain)
-        group = route.group
-        if group is None:
-            group = route.group = self._fusion_group(weight, gain, route)
-        # A route found in the cache is of plain tensors of one device, whose type was
-        # checked: for the CPU the routing switch remains.
-        if group is False or group is None:
-            return None
-        if group[1].type == "cpu" and not _kernels.routing_cpu_tensors():
-            return None
-        checks: tuple[tuple[dict[str, Any], str, Tensor, int], ...]
-        checks = ((originals, "original", weight, weight._version),)
-        if gain is not None:
-            checks += ((self._parameters, "gain", gain, gain._version),)
-        return group, route.plan, (weight, gain), checks
+        # Plain WS has no gain: the launch gets None in its place.
+        return (originals, "original"), (self._parameters, "gain")
 
-    def _fusion_group(
-        self, weight: Tensor, gain: Tensor | None, route: _Route
-    ) -> FusionGroup | Literal[False]:
-        """The fused launch a weight of ``route`` joins (where its tensors are on a device
-        the kernels take), or False where it can join none."""
-        if route.dim != 0 or not weight.numel() or weight.device.type not in _KERNEL_DEVICES:
-            return False
-        # Whether the kernels take the device depends, for the CPU, on the private routing
-        # switch, checked at each scope.
-        if gain is not None and (gain.dtype != weight.dtype or gain.device != weight.device):
-            return False
+    def _fusion_plan(self, tensors: tuple[Tensor | None, ...], route: _fusion.Route[int]) -> object:
+        weight, gain = tensors
+        assert weight is not None  # the raw weight, the one original
+        if route.dim != 0 or not weight.numel():
+            return None
         if route.plan is None:
             scale = 1.0 if route.factor is None else route.factor
             route.plan = _kernels.standardization_plan(weight, self.eps, gain, scale)
-        if not _kernels.standardization_fusable(route.plan):
-            return False
-        return ("fuse_standardizations", weight.device, weight.dtype)
+        return route.plan if _kernels.standardization_fusable(route.plan) else None
 
-    def _new_route(self, weight: Tensor, gain: Tensor | None) -> _Route:
+    def _new_route(self, tensors: tuple[Tensor, ...]) -> _fusion.Route[int]:
+        weight = tensors[0]
         _parametrize.check_tensor(weight, "weight", _WHAT)
         dim = self.dim
         if not -weight.ndim <= dim < weight.ndim:
@@ -345,14 +256,14 @@ class WeightStandardization(nn.Module):
         dim %= weight.ndim
         if self.groups > 1:
             _check_groups(weight, dim, self.groups)
-        if gain is None:
-            return _Route(dim)
-        _check_gain("gain", gain, weight, dim, self.groups)
+        if len(tensors) == 1:
+            return _fusion.Route(dim)
+        gain = _check_gain("gain", tensors[1], weight, dim, self.groups)
         fan_in = weight.numel() // gain.shape[0] if gain.shape[0] else 0
-        return _Route(dim, self._gamma() / math.sqrt(fan_in) if fan_in else None)
+        return _fusion.Route(dim, self._gamma() / math.sqrt(fan_in) if fan_in else None)
 
     def forward(self, weight: Tensor) -> Tensor:
-        route = self._route(weight)
+        route = self._route((weight,))
         return _standardize(weight, route.dim, self.eps, self.groups, None, route=route)
 
     def extra_repr(self) -> str:
@@ -415,12 +326,9 @@ class ScaledWeightStandardization(WeightStandardization):
     def _gamma(self) -> float:
         return self.gamma
 
-    def _gain(self) -> Tensor | None:
-        return self._parameters.get("gain")
-
     def forward(self, weight: Tensor) -> Tensor:
         gain = self.gain
-        route = self._route(weight, gain)
+        route = self._route((weight, gain))
         return _standardize(weight, route.dim, self.eps, self.groups, gain, route.factor, route)
 
     def extra_repr(self) -> str:
