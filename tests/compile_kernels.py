@@ -12,8 +12,10 @@ import itertools
 import re
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any, NamedTuple
 
+import torch
 import triton
 import triton.language as tl
 from triton.backends.compiler import GPUTarget
@@ -22,6 +24,7 @@ from triton.compiler import ASTSource
 from normhooks._kernels import lars
 from normhooks._kernels import weight_norm as wn
 from normhooks._kernels import weight_standardization as ws
+from normhooks._kernels._launch import Kernel
 
 TARGET = GPUTarget("cuda", 90, 32)
 DTYPES = {"fp16": tl.float16, "bf16": tl.bfloat16, "fp32": tl.float32, "fp64": tl.float64}
@@ -132,6 +135,97 @@ def lars_kernels() -> None:
             {**constants, **dict.fromkeys(names, True)},
             aligned=False,
         )
+
+
+class CheckedKernel(Kernel):
+    """A :class:`Kernel` that, after each launch, asks Triton's own binder which compiled
+    kernel these arguments take, and fails unless it is the one the caller's cache holds."""
+
+    __slots__ = ("hits",)
+
+    def __init__(self, kernel: Kernel) -> None:
+        super().__init__(kernel.fn)
+        self.hits = 0
+
+    def __call__(
+        self,
+        cache: dict[tuple[bool, ...], Any],
+        grid: tuple[int, int],
+        device: int | None,
+        pointers: tuple[torch.Tensor, ...],
+        *args: Any,
+    ) -> None:
+        aligned = tuple([t.data_ptr() % 16 == 0 for t in pointers])
+        cached = cache.get(aligned)
+        super().__call__(cache, grid, device, pointers, *args)
+        if cached is None:
+            return
+        chosen = self.fn.run(*args, grid=grid, warmup=True)
+        if chosen is not cached:
+            names = dict(zip(self.fn.arg_names, args, strict=True))
+            raise AssertionError(
+                f"{self.fn.__name__} launched directly a kernel compiled for "
+                f"other arguments than {names}"
+            )
+        self.hits += 1
+
+
+def lars_direct_launches() -> None:
+    """Every call signature of LARS's kernels launches, from its cache, the compiled kernel
+    Triton's binder picks for its arguments (through benchmarks/_proxy.py's driver, which
+    compiles for sm_90 and launches nothing: no number is computed)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import _proxy
+
+    def view(dtype: torch.dtype, aligned: bool) -> torch.Tensor:
+        # One element 16 bytes into a fresh buffer, or one element into it (misaligned).
+        buffer = torch.ones(16, dtype=dtype)
+        return buffer[16 // buffer.element_size() if aligned else 1].view(1)
+
+    settings: list[dict[str, Any]] = [
+        {},
+        # A scalar's bit pattern travels as int32 where it fits (0.0; 5e-324, whose bits
+        # are 1), as int64 otherwise.
+        {"eps": 0.0},
+        {"eps": 0.0, "weight_decay": 0.0, "threshold": 0.0},
+        {"weight_decay": 1e-4, "trust_coefficient": 1e-3, "threshold": -1.0},
+        {"clip": True, "lr": 0.1},
+        {"clip": True, "lr": 5e-324},
+        {"clip": True, "lr": view(torch.float32, True)},
+        {"clip": True, "lr": view(torch.float32, False)},
+        {"clip": True, "lr": view(torch.float64, False)},
+        # Each differs from the one before in one pointer's dtype or alignment.
+        {"grad_scale": view(torch.float32, True)},
+        {"grad_scale": view(torch.float64, True)},
+        {"grad_scale": view(torch.float16, True)},
+        {"grad_scale": view(torch.float16, False)},
+        {"grad_scale": view(torch.float32, True), "found_inf": view(torch.float32, True)},
+        {"grad_scale": view(torch.float32, True), "found_inf": view(torch.float32, False)},
+    ]
+    checked = CheckedKernel(lars._SQUARES_AND_RATES), CheckedKernel(lars._SCALE)
+    lars._SQUARES_AND_RATES, lars._SCALE = checked
+    calls = 0
+    with _proxy.cuda_path_on_cpu():
+        for dtype in (torch.float32, torch.float64, torch.float16):
+            params = [torch.ones(3, dtype=dtype), torch.ones(2, 5, dtype=dtype)]
+            grads = [torch.ones_like(p) for p in params]
+            for setting in settings:
+                arguments: dict[str, Any] = {
+                    "threshold": 1e-2,
+                    "weight_decay": 0.0,
+                    "eps": 1e-9,
+                    "trust_coefficient": 1.0,
+                    "lr": None,
+                    "clip": False,
+                    "grad_scale": None,
+                    "found_inf": None,
+                }
+                # Twice: the second call of a signature finds its kernels cached.
+                for _ in range(2):
+                    lars.lars_unit_(params, grads, **(arguments | setting))
+                    calls += 1
+    if any(kernel.hits < calls // 2 for kernel in checked):
+        raise AssertionError(f"direct launches checked: {[k.hits for k in checked]} of {calls}")
 
 
 class RowKernel(NamedTuple):
@@ -270,6 +364,7 @@ def fused_kernels() -> None:
 
 def main() -> None:
     lars_kernels()
+    lars_direct_launches()
     row_kernels()
     ones_kernels()
     fused_kernels()

@@ -363,6 +363,33 @@ class KernelCases:
             rates = run_lars(params, grads)
             assert_lars_result(rates, grads, expected_rates, expected)
 
+    @pytest.mark.usefixtures("small_chunks")
+    def test_lars_sees_a_parameter_transposed_in_place_on_a_cached_table(self, device: str) -> None:
+        # The same addresses and sizes, but w is laid out unlike its gradient now: the
+        # table's flat pairing of w and g no longer holds.
+        params = [torch.randn(9, 9, dtype=torch.float64, device=device) for _ in range(2)]
+        grads = [torch.randn_like(p) for p in params]
+        run_lars(params, grads)
+        params[0].t_()
+        for grad in grads:
+            grad.copy_(torch.randn(grad.shape, dtype=grad.dtype))
+        expected_rates, expected = lars_reference(params, grads, weight_decay=1e-2)
+        rates = run_lars(params, grads, weight_decay=1e-2)
+        assert_lars_result(rates, grads, expected_rates, expected)
+
+    @pytest.mark.usefixtures("small_chunks")
+    def test_lars_drops_the_table_used_least_recently(
+        self, device: str, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        monkeypatch.setattr(lars_kernels, "_CACHE_SIZE", 2)
+        sets = [tensors(torch.float64, device) for _ in range(3)]
+        first = lars_kernels._table(sets[0], sets[0], capturing=False)
+        lars_kernels._table(sets[1], sets[1], capturing=False)
+        assert lars_kernels._table(sets[0], sets[0], capturing=False) is first
+        # A third set while two are kept: the second, found longer ago than the first, goes.
+        third = lars_kernels._table(sets[2], sets[2], capturing=False)
+        assert [id(t) for t in lars_kernels._tables.values()] == [id(first), id(third)]
+
     @pytest.mark.parametrize(
         "layout",
         [

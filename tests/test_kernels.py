@@ -25,6 +25,7 @@ from normhooks import _kernels
 from normhooks._kernels import _common
 from normhooks._kernels import lars as lars_kernels
 from normhooks._kernels import weight_norm as wn_kernels
+from normhooks._kernels._launch import Kernel
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 on_interpreter = pytest.mark.skipif(
@@ -70,7 +71,7 @@ def test_lars_reads_each_partial_sum_once(monkeypatch: pytest.MonkeyPatch) -> No
     monkeypatch.setattr(lars_kernels, "_PARTIALS_BLOCK", 2)
     monkeypatch.setattr(lars_kernels, "_tables", type(lars_kernels._tables)())
     first_launch = Recording(lars_kernels._squares_and_rates)
-    monkeypatch.setattr(lars_kernels, "_squares_and_rates", first_launch)
+    monkeypatch.setattr(lars_kernels, "_SQUARES_AND_RATES", Kernel(first_launch))
     read: list[np.ndarray] = []
     load = interpreter.InterpreterBuilder.create_masked_load
 

@@ -8,6 +8,9 @@ that arrives last adds the tensor's partial sums in a fixed order (deterministic
 atomics, each partial sum read once) and writes the rate. Launch 2 runs one program per chunk
 again and writes :math:`g \leftarrow r\,(g / s + \beta w)`, with :math:`s` a GradScaler's
 scale when given.
+
+Both launch through :class:`~normhooks._kernels._launch.Kernel`: a call signature met before
+(see :func:`_compiled`) launches its compiled kernels directly, without Triton's binder.
 """
 
 # Triton ships without type information: its modules and @triton.jit are untyped to mypy.
@@ -15,9 +18,10 @@ scale when given.
 
 from __future__ import annotations
 
+import itertools
 import threading
-from collections import OrderedDict
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 import triton
@@ -34,9 +38,11 @@ from normhooks._kernels._common import (
     div,
     is_finite,
     on_device,
+    remember,
     sqrt,
 )
 from normhooks._kernels._common import tl_dtype as _tl_dtype
+from normhooks._kernels._launch import Kernel
 from normhooks._precision import compute_dtype
 
 # Values per program: a chunk is _CHUNK values of one tensor, read _BLOCK at a time.
@@ -44,6 +50,8 @@ _BLOCK = 1024
 _CHUNK = 32 * _BLOCK
 # Partial sums added at a time by the last program of a tensor.
 _PARTIALS_BLOCK = 128
+# Triton passes an int argument as int32 when it fits, as int64 otherwise.
+_INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
 # Tables kept for this many distinct sets of tensors (an optimizer has one per device, dtype
 # and param group; a few more cover models trained side by side).
 _CACHE_SIZE = 64
@@ -197,6 +205,9 @@ def _squares_and_rates(  # type: ignore[no-untyped-def]
         tl.store(rates + tensor, rate)
 
 
+_SQUARES_AND_RATES = Kernel(_squares_and_rates)
+
+
 @triton.jit(do_not_specialize=["weight_decay"])
 def _scale(  # type: ignore[no-untyped-def]
     w_ptrs,
@@ -239,6 +250,9 @@ def _scale(  # type: ignore[no-untyped-def]
         tl.atomic_max(found_inf, 1.0, mask=overflow)
 
 
+_SCALE = Kernel(_scale)
+
+
 class _Table(DeviceTable):
     """Addresses, sizes and chunks of one list of tensors, on their device.
 
@@ -266,8 +280,12 @@ class _Table(DeviceTable):
             # resets its count, so the table leaves every launch as it found it.
             [0] * len(params),
         ]
-        super().__init__(rows, params[0].device)
+        # Rows of even length: every part lies a multiple of 16 bytes from the storage's
+        # start, so the storage's alignment (what Triton specializes a pointer on) is theirs.
+        super().__init__([row + [0] * (len(row) % 2) for row in rows], params[0].device)
         self.chunks = len(chunk_tensor)
+        # When the table was last found (see _uses).
+        self.used = 0
         (
             self.w_ptrs,
             self.g_ptrs,
@@ -276,7 +294,7 @@ class _Table(DeviceTable):
             self.chunk_tensor,
             self.chunk_start,
             self.arrivals,
-        ) = self.parts
+        ) = [part[: len(row)] for part, row in zip(self.parts, rows, strict=True)]
 
     def use_on(self, stream: int | None, capturing: bool = False) -> None:
         """Makes the table safe to launch with on the current stream (see
@@ -293,7 +311,10 @@ class _Table(DeviceTable):
         super().use_on(stream)
 
 
-_tables: OrderedDict[tuple[object, ...], _Table] = OrderedDict()
+_tables: dict[tuple[object, ...], _Table] = {}
+# Recency of the tables' use: a hit only stamps its table (no reordering, which would hash the
+# long key again); the least recently used one is dropped when the cache is full.
+_uses = itertools.count()
 # Tables that a CUDA graph captured: never dropped, since any replay reads them.
 _kept: list[_Table] = []
 # Optimizer steps may run in several threads (one model per thread); the table cache is shared.
@@ -315,11 +336,11 @@ def _table(params: Sequence[Tensor], grads: Sequence[Tensor], capturing: bool) -
         tuple(map(Tensor.data_ptr, grads)),
         tuple(map(Tensor.numel, params)),
     )
-    with _tables_lock:
-        table = _tables.get(key)
-        if table is not None:
-            _tables.move_to_end(key)
-    if table is None:
+    # One dict lookup, atomic without the lock, which guards the insertions and evictions.
+    table = _tables.get(key)
+    if table is not None:
+        table.used = next(_uses)
+    else:
         if capturing:
             raise RuntimeError(
                 "LARS's Triton kernel meets these tensors for the first time inside a "
@@ -335,12 +356,52 @@ def _table(params: Sequence[Tensor], grads: Sequence[Tensor], capturing: bool) -
         # dtype and device, so a set found again by address has passed already.
         _check(params, grads)
         table = _Table(params, grads, _CHUNK)
+        table.used = next(_uses)
         with _tables_lock:
             _tables[key] = table
             if len(_tables) > _CACHE_SIZE:
-                _tables.popitem(last=False)
+                del _tables[min(_tables, key=lambda found: _tables[found].used)]
     table.use_on(current_stream(device), capturing)
     return table
+
+
+# The compiled variants of both kernels, by everything Triton specializes them on except the
+# alignment of the pointers that _launch.Kernel checks at each launch.
+_variants: dict[tuple[object, ...], tuple[dict[Any, Any], dict[Any, Any]]] = {}
+
+
+def _compiled(
+    device: torch.device,
+    dtype: torch.dtype,
+    scale_dtype: torch.dtype | None,
+    flags: tuple[bool, ...],
+    scalars: tuple[int, ...],
+    flag_overflow: bool,
+) -> tuple[dict[Any, Any], dict[Any, Any]]:
+    """The caches of compiled ``_squares_and_rates`` and ``_scale`` for one call signature.
+
+    Triton keeps compiled kernels per device and specializes them on the dtype of every
+    pointer (the tensors' and the scale's; partials, rates, a tensor lr and the overflow flag
+    follow from the dtype), on each constexpr (the flags and the block sizes) and on whether
+    each int argument fits 32 bits (the scalars' bit patterns: ``do_not_specialize`` keeps
+    their values out, not their type). Every one of those is in the key.
+    """
+    key = (
+        device,
+        dtype,
+        scale_dtype,
+        flags,
+        flag_overflow,
+        tuple([_INT32_MIN <= value <= _INT32_MAX for value in scalars]),
+        _BLOCK,
+        _CHUNK,
+        _PARTIALS_BLOCK,
+    )
+    found = _variants.get(key)
+    if found is None:
+        found = ({}, {})
+        remember(_variants, key, found)
+    return found
 
 
 def _dense(tensor: Tensor) -> bool:
@@ -443,6 +504,22 @@ def lars_unit_(
                     originals.append((grad, grads[i]))
     lr_is_tensor = isinstance(lr, Tensor)
     clipping = clip and lr is not None
+    scalars = (
+        bits(threshold),
+        bits(weight_decay),
+        bits(eps),
+        bits(trust_coefficient),
+        bits(lr) if clipping and not lr_is_tensor else 0,  # type: ignore[arg-type]
+    )
+    has_decay = weight_decay != 0
+    flags = (
+        has_decay,
+        trust_coefficient != 1,
+        clipping,
+        lr_is_tensor,
+        eps == 0 and weight_decay == 0,
+        grad_scale is not None,
+    )
     with on_device(device_index(device)):
         capturing = _capturing(device)
         if capturing and clipping and not lr_is_tensor:
@@ -455,11 +532,29 @@ def lars_unit_(
         table = _table(params, grads, capturing)
         partials = torch.empty(2 * table.chunks, dtype=acc, device=device)
         rates = torch.empty(len(params), dtype=acc, device=device)
-        scale = grad_scale.to(device) if grad_scale is not None else None
-        lr_tensor = lr.to(device, acc) if isinstance(lr, Tensor) else None
+        scale = rates
+        if grad_scale is not None:
+            scale = grad_scale if grad_scale.device == device else grad_scale.to(device)
+        lr_tensor = rates
+        if isinstance(lr, Tensor):
+            lr_tensor = lr if lr.device == device and lr.dtype == acc else lr.to(device, acc)
+        flag = rates if found_inf is None else found_inf
+        squares_and_rates, scale_kernel = _compiled(
+            device,
+            dtype,
+            None if grad_scale is None else scale.dtype,
+            flags,
+            scalars,
+            found_inf is not None,
+        )
         dtype_tl, acc_tl = _tl_dtype(dtype), acc_dtype(dtype)
-        grid = (table.chunks,)
-        _squares_and_rates[grid](
+        grid = (table.chunks, 1)
+        index = device_index(device)
+        _SQUARES_AND_RATES(
+            squares_and_rates,
+            grid,
+            index,
+            (table.storage, scale, lr_tensor),
             table.w_ptrs,
             table.g_ptrs,
             table.numels,
@@ -469,42 +564,37 @@ def lars_unit_(
             table.arrivals,
             partials,
             rates,
-            scale if scale is not None else rates,
-            lr_tensor if lr_tensor is not None else rates,
-            bits(threshold),
-            bits(weight_decay),
-            bits(eps),
-            bits(trust_coefficient),
-            bits(lr) if clipping and not lr_is_tensor else 0,  # type: ignore[arg-type]
-            dtype=dtype_tl,
-            acc=acc_tl,
-            block=_BLOCK,
-            chunk_size=_CHUNK,
-            partials_block=_PARTIALS_BLOCK,
-            has_decay=weight_decay != 0,
-            has_trust=trust_coefficient != 1,
-            clip=clipping,
-            lr_is_tensor=lr_is_tensor,
-            zero_denominator_is_one=eps == 0 and weight_decay == 0,
-            scaled=scale is not None,
+            scale,
+            lr_tensor,
+            *scalars,
+            dtype_tl,
+            acc_tl,
+            _BLOCK,
+            _CHUNK,
+            _PARTIALS_BLOCK,
+            *flags,
         )
-        _scale[grid](
+        _SCALE(
+            scale_kernel,
+            grid,
+            index,
+            (table.storage, scale, flag),
             table.w_ptrs,
             table.g_ptrs,
             table.numels,
             table.chunk_tensor,
             table.chunk_start,
             rates,
-            scale if scale is not None else rates,
-            found_inf if found_inf is not None else rates,
-            bits(weight_decay),
-            dtype=dtype_tl,
-            acc=acc_tl,
-            block=_BLOCK,
-            chunk_size=_CHUNK,
-            has_decay=weight_decay != 0,
-            scaled=scale is not None,
-            flag_overflow=found_inf is not None,
+            scale,
+            flag,
+            scalars[1],
+            dtype_tl,
+            acc_tl,
+            _BLOCK,
+            _CHUNK,
+            has_decay,
+            flags[-1],
+            found_inf is not None,
         )
     for grad, copy in originals:
         grad.copy_(copy)
