@@ -607,6 +607,13 @@ def restride_it(chain: nn.Module) -> None:
     original.data = original.data.to(memory_format=torch.channels_last)
 
 
+def move_it(chain: nn.Module) -> None:
+    # New storage of the same shape, strides and dtype, other values, through .data: nothing
+    # a scope's groups are found from changes, only the addresses a launch reads.
+    original = weight_shaped(chain)
+    original.data = original.data * 2
+
+
 def freeze_it(chain: nn.Module) -> None:
     for p in chain.parameters():
         p.requires_grad_(False)
@@ -622,6 +629,7 @@ def change_its_eps(chain: nn.Module) -> None:
 CHANGES = {
     "an original replaced": (replace_it, 1, 0),
     "strides changed through .data": (restride_it, 1, 1),
+    "moved to new storage through .data": (move_it, 1, 0),
     "requires_grad switched off": (freeze_it, 2, 0),
     "eps changed": (change_its_eps, 1, 0),
 }
