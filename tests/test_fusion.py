@@ -650,6 +650,46 @@ def test_a_change_between_two_forwards_is_seen_by_the_next(
     assert (calls[kind.entry], own_calls(calls)) == (fused, own)
 
 
+def regather_storage(p: Tensor) -> None:
+    # FSDP1 frees a parameter's storage after the forward and gathers it again for backward.
+    kept = p.detach().clone()
+    p.untyped_storage().resize_(0)
+    torch.full((4096,), 1e3, dtype=p.dtype)  # an allocation that may reuse the freed memory
+    p.untyped_storage().resize_(kept.numel() * kept.element_size())
+    p.data.copy_(kept)
+
+
+def regather_data(p: Tensor) -> None:
+    # ZeRO-3 swaps a parameter's .data for a placeholder and back for a gathered copy.
+    kept = p.detach().clone()
+    p.data = torch.empty(0, dtype=p.dtype)
+    torch.full((4096,), 1e3, dtype=p.dtype)
+    p.data = kept
+
+
+REGATHERS = {"storage freed and regrown": regather_storage, ".data swapped": regather_data}
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("regather", REGATHERS.values(), ids=REGATHERS.keys())
+def test_originals_in_new_memory_at_backward_are_read_there(
+    kind: Kind, regather: Callable[[Tensor], None], calls: dict[str, int]
+) -> None:
+    plain = cnn()
+    model = kind.convert(copy.deepcopy(plain))
+    x = inputs()
+
+    def run(m: nn.Module) -> Tensor:
+        out = m(x)
+        if isinstance(m, nn.Module):  # not the reference's stand-in
+            for p in m.parameters():
+                regather(p)
+        return out
+
+    trains_like_reference(plain, model, kind, run)
+    assert calls[kind.entry] == 1
+
+
 # --------------------------------------------------------------------------------------------
 # Membership: removal, re-parametrization, lazy layers, shared layers
 

@@ -127,6 +127,8 @@ class FusedPlan(abc.ABC, Generic[P]):
         self.layers, self.row_layers = self.table.parts
         self.constexprs = (tl_dtype(values.dtype), acc_dtype(values.dtype), block, FIELDS)
         self.plans = plans
+        # Where the inputs were when this plan was found (set by find): its table's addresses.
+        self.addresses: tuple[int, ...] = ()
         # The compiled kernels this plan launches, by the alignment of their pointers.
         self.forward_kernels: dict[Any, Any] = {}
         self.backward_kernels: dict[Any, Any] = {}
@@ -151,10 +153,12 @@ class FusedPlan(abc.ABC, Generic[P]):
     @classmethod
     def find(cls, plans: tuple[P, ...], tensors: Sequence[Tensor | None]) -> Any:
         """The fused plan of ``plans``' layers, whose inputs are ``tensors``."""
-        key = (plans, tuple([0 if t is None else t.data_ptr() for t in tensors]))
+        addresses = _addresses(tensors)
+        key = (plans, addresses)
         found = cls._found.get(key)
         if found is None:
             found = cls(plans, tensors)
+            found.addresses = addresses
             cls._found[key] = found
             if len(cls._found) > MAX_FUSED:
                 cls._found.popitem(last=False)
@@ -204,6 +208,11 @@ class _Fused(torch.autograd.Function):
         saved = ctx.saved_tensors
         buffers, tensors = saved[: ctx.buffers], saved[ctx.buffers :]
         plan: FusedPlan[Any] = ctx.plan
+        if _addresses(tensors) != plan.addresses:
+            # An input kept its identity but got new memory since the forward (FSDP1 frees and
+            # regathers parameters, ZeRO-3 swaps their .data): the table the forward launched
+            # with points at the old memory. The plan of where the inputs are now.
+            plan = type(plan).find(plan.plans, tensors)
         result: list[Tensor | None] = [None]
         if torch.is_grad_enabled():
             # create_graph: through the plain formula, layer by layer.
@@ -246,6 +255,10 @@ class _Fused(torch.autograd.Function):
                 else:
                     result.append(values_view(*plan.outputs[layer]))
         return tuple(result)
+
+
+def _addresses(tensors: Sequence[Tensor | None]) -> tuple[int, ...]:
+    return tuple([0 if t is None else t.data_ptr() for t in tensors])
 
 
 _APPLY = function_apply(_Fused)
