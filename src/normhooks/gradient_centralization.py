@@ -63,13 +63,15 @@ def centralize_unit_(
     chosen = [grad for grad in grads if grad.ndim >= least]
     if not chosen:
         return
-    means = [_row_means(grad) for grad in chosen]
-    if foreach is False or chosen[0].dtype in HALF_DTYPES:
-        # In place on float16/bfloat16 with a float32 mean: computed in float32, rounded once.
-        for grad, mean in zip(chosen, means, strict=True):
-            grad.sub_(mean)
+    if foreach is False or chosen[0].is_cpu or chosen[0].dtype in HALF_DTYPES:
+        # One tensor at a time, its mean then its subtraction: on the CPU the second pass
+        # finds the tensor still in cache, where all means before all subtractions read every
+        # gradient from memory twice. In place on float16/bfloat16 with a float32 mean:
+        # computed in float32, rounded once.
+        for grad in chosen:
+            grad.sub_(_row_means(grad))
     else:
-        compat.foreach_sub_(chosen, means)
+        compat.foreach_sub_(chosen, [_row_means(grad) for grad in chosen])
 
 
 def centralize_gradients_(
@@ -98,8 +100,9 @@ def centralize_gradients_(
     Args:
         parameters: a tensor or an iterable of tensors; those without ``.grad`` are skipped.
         conv_only: centralize only the gradients of four or more dimensions (GCC).
-        foreach: True or None take one multi-tensor op for the subtraction, False one tensor
-            at a time.
+        foreach: True or None take one multi-tensor op for the subtraction on an
+            accelerator (on the CPU a tensor's mean and subtraction run together, while it
+            is in cache), False one tensor at a time.
 
     References:
         Yong, Huang, Hua and Zhang, Gradient Centralization: A New Optimization Technique for
