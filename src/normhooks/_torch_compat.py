@@ -69,10 +69,16 @@ def weight_norm_interface_backward(
     return grad_v, grad_g
 
 
+def _imported(module: str, name: str) -> Any:
+    """``module.name`` where something has imported ``module``, else None: a class whose
+    module nothing imported has no instances, and looking it up imports nothing."""
+    found = sys.modules.get(module)
+    return None if found is None else getattr(found, name)
+
+
 def dtensor_type() -> Any:
     """torch's DTensor class, or None while nothing has imported it (so nothing is one)."""
-    module = sys.modules.get("torch.distributed.tensor")
-    return None if module is None else module.DTensor
+    return _imported("torch.distributed.tensor", "DTensor")
 
 
 def non_finite_check_and_unscale_(
@@ -421,15 +427,13 @@ def is_deepspeed(obj: object) -> bool:
 
 def ddp_type() -> Any:
     """``DistributedDataParallel``, or None while nothing has imported it (so nothing is one)."""
-    module = sys.modules.get("torch.nn.parallel.distributed")
-    return None if module is None else module.DistributedDataParallel
+    return _imported("torch.nn.parallel.distributed", "DistributedDataParallel")
 
 
 def fsdp2_module_type() -> Any:
     """FSDP2's ``FSDPModule`` (what ``fully_shard`` makes a module), or None while nothing has
     imported ``torch.distributed.fsdp``."""
-    module = sys.modules.get("torch.distributed.fsdp")
-    return None if module is None else module.FSDPModule
+    return _imported("torch.distributed.fsdp", "FSDPModule")
 
 
 def own_parameters(module: nn.Module) -> dict[str, nn.Parameter | None]:
@@ -442,8 +446,9 @@ def own_parameters(module: nn.Module) -> dict[str, nn.Parameter | None]:
 
 def fsdp1_type() -> Any:
     """FSDP1's ``FullyShardedDataParallel`` class, or None while nothing has imported it."""
-    module = sys.modules.get("torch.distributed.fsdp.fully_sharded_data_parallel")
-    return None if module is None else module.FullyShardedDataParallel
+    return _imported(
+        "torch.distributed.fsdp.fully_sharded_data_parallel", "FullyShardedDataParallel"
+    )
 
 
 # The hook class of the legacy ``torch.nn.utils.weight_norm`` (2.11, 2.13): a forward pre-hook

@@ -198,9 +198,7 @@ class WeightNorm(_fusion.Fusable[int | None]):
             return _weight_norm(g, v, dim, self.eps)
         if dim is not None and _kernels.available(g, v):
             # CUDA with Triton: one fused kernel forward and one backward, exact.
-            if route.plan is None:
-                route.plan = _kernels.weight_norm_plan(g, v, dim, self.eps, _weight_norm)
-            return _kernels.planned_weight_norm(g, v, route.plan)
+            return _kernels.planned_weight_norm(g, v, self._kernel_plan(g, v, route))
         if not _eager_cpu(g, v):
             # On an accelerator without Triton, autograd's own graph of the formula launches
             # about as many kernels as the closed-form backward and runs no Python in backward.
@@ -238,10 +236,15 @@ class WeightNorm(_fusion.Fusable[int | None]):
         g, v = tensors
         assert g is not None  # both are WN's own originals
         assert v is not None
-        assert route.dim is not None  # _fusion_sources takes no layer of dim=None
+        plan = self._kernel_plan(g, v, route)
+        return plan if _kernels.weight_norm_fusable(plan) else None
+
+    def _kernel_plan(self, g: Tensor, v: Tensor, route: _fusion.Route[int | None]) -> object:
+        """The kernels' plan of a layer of ``route`` (not ``dim=None``), made once per route."""
         if route.plan is None:
+            assert route.dim is not None  # dim=None never takes the kernels
             route.plan = _kernels.weight_norm_plan(g, v, route.dim, self.eps, _weight_norm)
-        return route.plan if _kernels.weight_norm_fusable(route.plan) else None
+        return route.plan
 
     def _check(self, g: Tensor, v: Tensor) -> int | None:
         _parametrize.check_tensor(v, "v", _WHAT)

@@ -140,6 +140,15 @@ def _check_gain(where: str, gain: object, weight: Tensor, dim: int, groups: int)
     return gain
 
 
+def _kernel_plan(
+    weight: Tensor, eps: float, gain: Tensor | None, scale: float, route: _fusion.Route[int]
+) -> object:
+    """The kernels' plan of a weight of ``route``, made once per route."""
+    if route.plan is None:
+        route.plan = _kernels.standardization_plan(weight, eps, gain, scale)
+    return route.plan
+
+
 def _standardize(
     weight: Tensor,
     dim: int,
@@ -163,9 +172,9 @@ def _standardize(
         scale = 1.0 if factor is None else factor
         if route is None:
             return _kernels.standardize_rows(weight, eps, gain, scale)
-        if route.plan is None:
-            route.plan = _kernels.standardization_plan(weight, eps, gain, scale)
-        return _kernels.planned_standardization(weight, gain, route.plan)
+        return _kernels.planned_standardization(
+            weight, gain, _kernel_plan(weight, eps, gain, scale, route)
+        )
     rows, shape = _rows(weight, dim, groups)
     if rows.numel() == 0:
         return weight.clone()
@@ -242,10 +251,9 @@ class WeightStandardization(_fusion.Fusable[int]):
         assert weight is not None  # the raw weight, the one original
         if route.dim != 0 or not weight.numel():
             return None
-        if route.plan is None:
-            scale = 1.0 if route.factor is None else route.factor
-            route.plan = _kernels.standardization_plan(weight, self.eps, gain, scale)
-        return route.plan if _kernels.standardization_fusable(route.plan) else None
+        scale = 1.0 if route.factor is None else route.factor
+        plan = _kernel_plan(weight, self.eps, gain, scale, route)
+        return plan if _kernels.standardization_fusable(plan) else None
 
     def _new_route(self, tensors: tuple[Tensor, ...]) -> _fusion.Route[int]:
         weight = tensors[0]
