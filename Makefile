@@ -16,6 +16,7 @@ $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(PIP) torch==2.13.0
 	$(PIP) -e '.[dev,demo,docs]'
+	$(PIP) --no-deps pytorch-lamb==1.0.0
 	touch $(STAMP)
 
 lint: $(STAMP)

@@ -1,6 +1,7 @@
 """normhooks: GradientLARS, adaptive gradient clipping, a trust ratio, gradient centralization,
 weight standardization and weight normalization for PyTorch."""
 
+from normhooks._kernels import kernels_enabled, set_kernels_enabled
 from normhooks.agc import AdaptiveGradientClipping, agc_, agc_param_groups
 from normhooks.data_dependent_init import data_dependent_init
 from normhooks.gradient_centralization import GradientCentralization, centralize_gradients_
@@ -37,10 +38,12 @@ __all__ = [
     "centralize_gradients_",
     "convert_with_weight_normalization",
     "data_dependent_init",
+    "kernels_enabled",
     "lars_",
     "lars_param_groups",
     "remove_weight_norm",
     "remove_weight_standardization",
+    "set_kernels_enabled",
     "standardize_weight",
     "weight_norm",
     "weight_standardization",

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib.util
+import os
 from collections.abc import Callable, Iterator
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
@@ -30,10 +31,74 @@ from normhooks import _torch_compat
 # the one that turned the switch on. Only route_cpu_tensors changes it.
 _route_cpu = False
 
+# The off switch (public as normhooks.set_kernels_enabled): False sends every technique to the
+# plain torch formula and keeps Triton unimported. Read from NORMHOOKS_KERNELS once, at import.
+_enabled = os.environ.get("NORMHOOKS_KERNELS", "1").strip().lower() not in (
+    "0",
+    "false",
+    "off",
+    "no",
+)
+
 
 @functools.cache
-def _triton_importable() -> bool:
+def _triton_found() -> bool:
     return importlib.util.find_spec("triton") is not None
+
+
+def _triton_importable() -> bool:
+    return _enabled and _triton_found()
+
+
+def kernels_enabled() -> bool:
+    """Whether normhooks may run its Triton kernels (CUDA tensors with Triton installed).
+
+    False where ``NORMHOOKS_KERNELS=0`` was set when normhooks was imported, or after
+    :func:`set_kernels_enabled` ``(False)``: every technique then computes the plain torch
+    formula, and Triton is never imported by normhooks.
+
+    Example:
+        >>> import normhooks
+        >>> with normhooks.set_kernels_enabled(False):
+        ...     normhooks.kernels_enabled()
+        False
+    """
+    return _enabled
+
+
+class set_kernels_enabled:  # noqa: N801 - named and used like torch.set_grad_enabled
+    """Turn normhooks' Triton kernels on or off, as a call or as a context manager.
+
+    Called, it sets the switch for the process; used in a ``with`` block, it restores the
+    previous setting on leaving the block, exception or not. Off, every technique computes
+    the plain torch formula (the numbers a CPU run gives); the environment variable
+    ``NORMHOOKS_KERNELS=0`` sets the same switch at import.
+
+    Args:
+        mode: True to allow the kernels (the default where Triton is installed), False for
+            the plain formula everywhere.
+
+    Example:
+        >>> import normhooks
+        >>> _ = normhooks.set_kernels_enabled(False)
+        >>> normhooks.kernels_enabled()
+        False
+        >>> _ = normhooks.set_kernels_enabled(True)
+    """
+
+    def __init__(self, mode: bool) -> None:
+        global _enabled
+        if not isinstance(mode, bool):
+            raise TypeError(f"mode must be True or False, got mode={mode!r}")
+        self.previous = _enabled
+        _enabled = mode
+
+    def __enter__(self) -> None:
+        pass
+
+    def __exit__(self, *exc: object) -> None:
+        global _enabled
+        _enabled = self.previous
 
 
 def available(*tensors: Tensor) -> bool:
