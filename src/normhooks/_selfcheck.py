@@ -28,6 +28,7 @@ import statistics
 import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
+from typing import NamedTuple
 
 import torch
 from torch import Tensor, nn
@@ -58,12 +59,13 @@ class _Sizes:
     lars_shapes: tuple[tuple[int, ...], ...]
     repeats: int
     inner: int
+    warmup: int
 
 
-_CUDA_SIZES = _Sizes(
-    16, 32, 32, ((64, 3, 7, 7), (64,), *[(128, 64, 3, 3)] * 4, (256, 128, 3, 3), (1000, 512)), 5, 20
-)
-_ROUTED_SIZES = _Sizes(2, 2, 4, ((4, 2, 3, 3), (4,), (3, 8)), 1, 1)
+# A few layers of a ResNet for LARS.
+_LARS_SHAPES = ((64, 3, 7, 7), (64,), *[(128, 64, 3, 3)] * 4, (256, 128, 3, 3), (1000, 512))
+_CUDA_SIZES = _Sizes(16, 32, 32, _LARS_SHAPES, repeats=5, inner=20, warmup=1)
+_ROUTED_SIZES = _Sizes(2, 2, 4, ((4, 2, 3, 3), (4,), (3, 8)), 1, 1, 0)
 
 
 @dataclasses.dataclass
@@ -138,16 +140,14 @@ def paths(on_device: bool, enabled: bool) -> dict[str, str]:
     """The path each technique takes here (``on_device``: CUDA, or routed CPU tensors)."""
     plain = "the plain torch formula (" + ("kernels off)" if on_device else "no CUDA)")
     weights = "Triton kernels: one per layer, one fused launch per model (apply_*)"
-    kernel = on_device and enabled
-    return {
-        "WeightNorm": weights if kernel else plain,
-        "WeightStandardization": weights if kernel else plain,
-        "ScaledWeightStandardization": weights if kernel else plain,
-        "GradientLARS": "a Triton kernel: two launches per step" if kernel else plain,
-        "AdaptiveGradientClipping": "the plain torch formula (no kernel)",
-        "TrustRatio": "the plain torch formula (no kernel)",
-        "GradientCentralization": "the plain torch formula (no kernel)",
-    }
+    lars = "a Triton kernel: two launches per step"
+    found = {name: weights if on_device and enabled else plain for name in _WEIGHTS}
+    found["GradientLARS"] = lars if on_device and enabled else plain
+    return found | dict.fromkeys(_NO_KERNEL, "the plain torch formula (no kernel)")
+
+
+_WEIGHTS = ("WeightNorm", "WeightStandardization", "ScaledWeightStandardization")
+_NO_KERNEL = ("AdaptiveGradientClipping", "TrustRatio", "GradientCentralization")
 
 
 # --- the models, their peers and one step of each ----------------------------------------
@@ -192,62 +192,46 @@ class _SideBySide(nn.Module):
         return torch.cat([*(y.flatten(1) for y in convolutions), self.linear(x.flatten(1))], 1)
 
 
-def _model(fused: bool, s: _Sizes) -> nn.Module:
-    return _SideBySide(s) if fused else nn.Conv2d(s.channels, 2 * s.channels, 3, padding=1)
+class _Case(NamedTuple):
+    name: str
+    technique: str  # "wn", "ws", "scaled ws" or "lars"
+    fused: bool = False
 
+    @property
+    def peer(self) -> str:
+        return {"wn": "torch weight_norm", "lars": "SGD alone"}.get(self.technique, WS_PEER)
 
-def _convolutions(model: nn.Module) -> list[nn.Conv2d | nn.ConvTranspose2d]:
-    return [m for m in model.modules() if isinstance(m, (nn.Conv2d, nn.ConvTranspose2d))]
-
-
-def _torch_weight_norm(model: nn.Module) -> nn.Module:
-    for layer in [*_convolutions(model), *(m for m in model.modules() if isinstance(m, nn.Linear))]:
-        nn.utils.parametrizations.weight_norm(layer)
-    return model
-
-
-def _manual_ws(scaled: bool) -> Callable[[nn.Module], nn.Module]:
-    def convert(model: nn.Module) -> nn.Module:
-        for layer in _convolutions(model):
-            dim = 1 if isinstance(layer, nn.ConvTranspose2d) else 0
-            peer = _ManualStandardization(layer.weight, dim, scaled)
-            nn.utils.parametrize.register_parametrization(layer, "weight", peer)
-        return model
-
-    return convert
-
-
-def _ws(fused: bool, scaled: bool) -> Callable[[nn.Module], nn.Module]:
-    gamma = 1.7 if scaled else 1.0
-
-    def convert(model: nn.Module) -> nn.Module:
-        if fused:
+    def ours(self, model: nn.Module) -> nn.Module:
+        if self.technique == "wn":
+            return (normhooks.apply_weight_norm if self.fused else normhooks.weight_norm)(model)
+        scaled = self.technique == "scaled ws"
+        gamma = 1.7 if scaled else 1.0
+        if self.fused:
             return normhooks.apply_weight_standardization(model, scaled=scaled, gamma=gamma)
         return normhooks.weight_standardization(model, scaled=scaled, gamma=gamma)
 
-    return convert
+    def theirs(self, model: nn.Module) -> nn.Module:
+        for layer in list(model.modules()):
+            if self.technique == "wn" and isinstance(layer, (*_CONVOLUTIONS, nn.Linear)):
+                nn.utils.parametrizations.weight_norm(layer)
+            elif self.technique != "wn" and isinstance(layer, _CONVOLUTIONS):
+                dim = 1 if isinstance(layer, nn.ConvTranspose2d) else 0
+                peer = _ManualStandardization(layer.weight, dim, self.technique == "scaled ws")
+                nn.utils.parametrize.register_parametrization(layer, "weight", peer)
+        return model
 
 
-@dataclasses.dataclass(frozen=True)
-class _Case:
-    name: str
-    peer: str
-    fused: bool = False
-    ours: Callable[[nn.Module], nn.Module] | None = None
-    theirs: Callable[[nn.Module], nn.Module] | None = None
-
-
+_CONVOLUTIONS = (nn.Conv2d, nn.ConvTranspose2d)
 WS_PEER = "(w-mean)/sqrt(var+eps)"
 CASES = (
-    _Case("weight_norm", "torch weight_norm", False, normhooks.weight_norm, _torch_weight_norm),
-    _Case("apply_weight_norm", "torch weight_norm", True, normhooks.apply_weight_norm,
-          _torch_weight_norm),
-    _Case("weight_standardization", WS_PEER, False, _ws(False, False), _manual_ws(False)),
-    _Case("apply_weight_std.", WS_PEER, True, _ws(True, False), _manual_ws(False)),
-    _Case("scaled weight_std.", WS_PEER, False, _ws(False, True), _manual_ws(True)),
-    _Case("apply_weight_std. scaled", WS_PEER, True, _ws(True, True), _manual_ws(True)),
-    _Case("GradientLARS step", "SGD alone"),
-)  # fmt: skip
+    _Case("weight_norm", "wn"),
+    _Case("apply_weight_norm", "wn", fused=True),
+    _Case("weight_standardization", "ws"),
+    _Case("apply_weight_std.", "ws", fused=True),
+    _Case("scaled weight_std.", "scaled ws"),
+    _Case("apply_weight_std. scaled", "scaled ws", fused=True),
+    _Case("GradientLARS step", "lars"),
+)
 
 
 def _random(shape: Sequence[int], seed: int, dtype: torch.dtype, device: torch.device) -> Tensor:
@@ -270,20 +254,14 @@ class _Layers:
     """A parametrization case: the converted model, its peer, an input and an upstream
     gradient; :meth:`steps` runs a copy, so the kernel and the formula start alike."""
 
-    def __init__(
-        self,
-        case: _Case,
-        ours: Callable[[nn.Module], nn.Module],
-        theirs: Callable[[nn.Module], nn.Module],
-        s: _Sizes,
-        dtype: torch.dtype,
-        device: torch.device,
-    ) -> None:
+    def __init__(self, case: _Case, s: _Sizes, dtype: torch.dtype, device: torch.device) -> None:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(0)
-            base = _model(case.fused, s).to(device, dtype)
-        self.ours = ours(copy.deepcopy(base))
-        self.theirs = theirs(base)
+            c = s.channels
+            base = _SideBySide(s) if case.fused else nn.Conv2d(c, 2 * c, 3, padding=1)
+            base = base.to(device, dtype)
+        self.ours = case.ours(copy.deepcopy(base))
+        self.theirs = case.theirs(base)
         # Away from the initial values (a gain of 1, WN's unit rows), so each input counts.
         _perturb_(self.ours.parameters(), 0, 0.2, relative=True)
         self.x = _random((s.batch, s.channels, s.spatial, s.spatial), 100, dtype, device)
@@ -320,7 +298,7 @@ class _Layers:
 class _LARS:
     """The LARS case: SGD with momentum over a few parameter shapes, with and without it."""
 
-    def __init__(self, s: _Sizes, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, case: _Case, s: _Sizes, dtype: torch.dtype, device: torch.device) -> None:
         self.params = [_random(shape, i, dtype, device) for i, shape in enumerate(s.lars_shapes)]
         self.grads = [0.01 * _random(p.shape, 50 + i, dtype, device)
                       for i, p in enumerate(self.params)]  # fmt: skip
@@ -369,30 +347,31 @@ def _error(got: Tensor, want: Tensor) -> float:
     return math.inf if math.isnan(error) else error
 
 
+def _elapsed_ms(fn: Callable[[], None], device: torch.device, calls: int) -> float:
+    if device.type != "cuda":
+        began = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        return (time.perf_counter() - began) * 1e3 / calls
+    start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+    end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+    start.record()
+    for _ in range(calls):
+        fn()
+    end.record()
+    end.synchronize()
+    return float(start.elapsed_time(end)) / calls
+
+
 def _median_ms(
     fns: tuple[Callable[[], None], Callable[[], None]], device: torch.device, s: _Sizes
 ) -> tuple[float, float]:
-    """Each function's median time per call in ms, the two measured in turn (side by side)."""
-    times: tuple[list[float], list[float]] = ([], [])
-    for fn in fns:
-        fn()  # warm-up: compiles, plans, allocates
-    for _ in range(s.repeats):
-        for fn, kept in zip(fns, times, strict=True):
-            if device.type == "cuda":
-                start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
-                end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
-                start.record()
-                for _ in range(s.inner):
-                    fn()
-                end.record()
-                end.synchronize()
-                kept.append(start.elapsed_time(end) / s.inner)
-            else:
-                began = time.perf_counter()
-                for _ in range(s.inner):
-                    fn()
-                kept.append((time.perf_counter() - began) * 1e3 / s.inner)
-    return statistics.median(times[0]), statistics.median(times[1])
+    """Each function's median time per call in ms, the two measured in turn (side by side)
+    after a warm-up call each (compiling, planning, allocating)."""
+    for fn in fns * s.warmup:
+        fn()
+    times = [[_elapsed_ms(fn, device, s.inner) for fn in fns] for _ in range(s.repeats)]
+    return statistics.median(t[0] for t in times), statistics.median(t[1] for t in times)
 
 
 @contextlib.contextmanager
@@ -418,11 +397,7 @@ def check_case(case: _Case, dtype: torch.dtype, device: torch.device, s: _Sizes)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
-            setup: _Layers | _LARS
-            if case.ours is None or case.theirs is None:
-                setup = _LARS(s, dtype, device)
-            else:
-                setup = _Layers(case, case.ours, case.theirs, s, dtype, device)
+            setup = (_LARS if case.technique == "lars" else _Layers)(case, s, dtype, device)
             with _float32_matmuls():
                 got = setup.steps()
                 with normhooks.set_kernels_enabled(False):
