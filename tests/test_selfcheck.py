@@ -263,6 +263,18 @@ def test_error_is_relative_to_the_largest_value(
     assert _selfcheck._error(torch.tensor(got), torch.tensor(want)) == error
 
 
+def test_json_into_a_missing_directory_is_refused_before_the_check(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["check", "--json", str(tmp_path / "missing" / "check.json")])
+    assert exit_info.value.code == 2
+    captured = capsys.readouterr()
+    assert "normhooks check: error: --json " in captured.err
+    assert "its directory does not exist" in captured.err
+    assert captured.out == ""
+
+
 def test_device_must_be_none_or_routed() -> None:
     with pytest.raises(ValueError, match="device must be None or 'cpu-routed', got device='cuda'"):
         _selfcheck.run(device="cuda")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from normhooks import __version__, _selfcheck
 from normhooks.demo import cli
@@ -62,6 +63,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         # Reported by the command's own parser, so the usage shown is the command's.
         commands[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
     if args.command == "check":
+        if args.json is not None and not Path(args.json).absolute().parent.is_dir():
+            # Said before the check runs, not after it: a GPU run takes up to a minute.
+            commands["check"].error(f"--json {args.json}: its directory does not exist")
         return _selfcheck.run(args.json)
     return cli.run(args)
 

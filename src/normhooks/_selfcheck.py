@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import datetime
 import importlib.metadata
 import importlib.util
 import json
@@ -37,7 +38,8 @@ import normhooks
 from normhooks import _kernels
 
 ROUTED = "cpu-routed"
-NO_CUDA = "no CUDA device: normhooks uses the plain torch formula here; nothing to check"
+PLAIN_HERE = "normhooks uses the plain torch formula here; nothing to check"
+NO_CUDA = f"no CUDA device: {PLAIN_HERE}"
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # The error of a tensor is max |kernel - plain| / max |plain|. Kernel and formula both compute
 # in float32 and round to the dtype, the formula at a step or two more than the kernel (Scaled
@@ -93,7 +95,7 @@ class Result:
         else:
             verdict = f"ok (max error {self.max_error:.1e} <= {self.tolerance:.0e})"
         timing = ""
-        if self.ms is not None and self.peer_ms is not None:
+        if self.ms is not None and self.peer_ms:
             ratio = self.ms / self.peer_ms
             timing = f"; {self.ms:.3f} ms, {self.peer} {self.peer_ms:.3f} ms ({ratio:.2f}x"
             timing += ", slower than peer)" if ratio > SLOWER else ")"
@@ -422,6 +424,31 @@ def check_case(case: _Case, dtype: torch.dtype, device: torch.device, s: _Sizes)
 # --- the command -------------------------------------------------------------------------
 
 
+def _check_all(
+    routed: bool,
+    checks: Sequence[str] | None,
+    dtypes: Sequence[torch.dtype],
+    say: Callable[[str], None],
+) -> list[Result]:
+    device = torch.device("cpu") if routed else torch.device("cuda", torch.cuda.current_device())
+    sizes = _ROUTED_SIZES if routed else _CUDA_SIZES
+    tolerances = ", ".join(f"{str(d).removeprefix('torch.')} {TOLERANCES[d]:.0e}" for d in dtypes)
+    say("each kernel path against the plain formula (set_kernels_enabled(False)) on this")
+    say(f"device, over two steps; error max|kernel - plain| / max|plain|, tol {tolerances};")
+    say(f"time: forward+backward (LARS: the step), median of {sizes.repeats}, beside its peer")
+    results: list[Result] = []
+    with _kernels.route_cpu_tensors() if routed else contextlib.nullcontext():
+        for case in [case for case in CASES if checks is None or case.name in checks]:
+            for dtype in dtypes:
+                results.append(check_case(case, dtype, device, sizes))
+                say(results[-1].line())
+    counts = {v: sum(r.verdict == v for r in results) for v in ("ok", "MISMATCH", "FAILED")}
+    slower = sum(r.ms is not None and r.ms > SLOWER * (r.peer_ms or math.inf) for r in results)
+    say(f"{len(results)} checks: {counts['ok']} ok, {counts['MISMATCH']} mismatch, "
+        f"{counts['FAILED']} failed; {slower} slower than peer (informational)")  # fmt: skip
+    return results
+
+
 def run(
     json_path: str | None = None,
     *,
@@ -467,29 +494,9 @@ def run(
     if not on_device:
         say(NO_CUDA)
     elif not enabled:
-        say(f"kernels {reason}: normhooks uses the plain torch formula here; nothing to check")
+        say(f"the kernels are {reason}; {PLAIN_HERE}")
     else:
-        target = (
-            torch.device("cpu") if routed else torch.device("cuda", torch.cuda.current_device())
-        )
-        sizes = _ROUTED_SIZES if routed else _CUDA_SIZES
-        tolerances = ", ".join(
-            f"{str(d).removeprefix('torch.')} {TOLERANCES[d]:.0e}" for d in dtypes
-        )
-        say("each kernel path against the plain formula (set_kernels_enabled(False)) on this")
-        say(f"device, 2 steps; error max|kernel - plain| / max|plain|, tol {tolerances};")
-        say(f"time: forward+backward (LARS: step), median of {sizes.repeats}, against its peer")
-        routing = _kernels.route_cpu_tensors() if routed else contextlib.nullcontext()
-        with routing:
-            for case in CASES:
-                if checks is None or case.name in checks:
-                    for dtype in dtypes:
-                        results.append(check_case(case, dtype, target, sizes))
-                        say(results[-1].line())
-        counts = {v: sum(r.verdict == v for r in results) for v in ("ok", "MISMATCH", "FAILED")}
-        slower = sum(r.ms is not None and r.ms > SLOWER * (r.peer_ms or math.inf) for r in results)
-        say(f"{len(results)} checks: {counts['ok']} ok, {counts['MISMATCH']} mismatch, "
-            f"{counts['FAILED']} failed; {slower} slower than peer (informational)")  # fmt: skip
+        results = _check_all(routed, checks, dtypes, say)
     status = 0 if all(r.verdict == "ok" for r in results) else 1
     if json_path is not None:
         document = {
@@ -498,6 +505,7 @@ def run(
             "tolerances": {str(d).removeprefix("torch."): TOLERANCES[d] for d in dtypes},
             "results": [dataclasses.asdict(r) for r in results],
             "status": status,
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "report": report,
         }
         with open(json_path, "w") as file:
