@@ -254,13 +254,20 @@ def test_kernels_on_the_same_run_imports_kernel_modules() -> None:
         ([math.nan, 2.0], [1.0, 2.0], math.inf),
         ([math.nan, 2.0], [math.nan, 2.0], 0.0),
         ([math.inf, 2.0], [1.0, 2.0], math.inf),
+        ([[1.0], [2.0]], [1.0, 2.0], math.inf),
     ],
-    ids=["equal", "relative-to-largest", "nan-from-kernel", "nan-in-both", "inf-from-kernel"],
-)
+    ids=["equal", "relative-to-largest", "nan-from-kernel", "nan-in-both", "inf-from-kernel",
+         "other-shape"],
+)  # fmt: skip
 def test_error_is_relative_to_the_largest_value(
     got: list[float], want: list[float], error: float
 ) -> None:
     assert _selfcheck._error(torch.tensor(got), torch.tensor(want)) == error
+
+
+def test_error_of_another_dtype_is_infinite() -> None:
+    same = torch.tensor([1.0, 2.0])
+    assert _selfcheck._error(same.bfloat16(), same) == math.inf
 
 
 def test_json_into_a_missing_directory_is_refused_before_the_check(

@@ -248,8 +248,11 @@ def _perturb_(params: Iterator[nn.Parameter], seed: int, scale: float, relative:
             noise = scale * _random(p.shape, seed + i, p.dtype, p.device)
             if relative:
                 p.mul_(1 + noise)
-            else:
+            elif i % 2:
                 p.add_(noise)
+            else:
+                # New storage, no new version: as EMA and momentum-encoder updates write.
+                p.data = p.data + noise
 
 
 class _Layers:
@@ -339,7 +342,10 @@ class _LARS:
 
 
 def _error(got: Tensor, want: Tensor) -> float:
-    """max |got - want| / max |want|: inf where one is not finite and the other is."""
+    """max |got - want| / max |want|: inf where one is not finite and the other is, or where
+    their shapes or dtypes differ."""
+    if got.shape != want.shape or got.dtype != want.dtype:
+        return math.inf
     got, want = got.double(), want.double()
     same = (got == want) | (got.isnan() & want.isnan())
     diff = torch.where(same, 0.0, (got - want).abs())
