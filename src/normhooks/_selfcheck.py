@@ -439,9 +439,10 @@ def _check_all(
     device = torch.device("cpu") if routed else torch.device("cuda", torch.cuda.current_device())
     sizes = _ROUTED_SIZES if routed else _CUDA_SIZES
     tolerances = ", ".join(f"{str(d).removeprefix('torch.')} {TOLERANCES[d]:.0e}" for d in dtypes)
-    say("each kernel path against the plain formula (set_kernels_enabled(False)) on this")
-    say(f"device, over two steps; error max|kernel - plain| / max|plain|, tol {tolerances};")
-    say(f"time: forward+backward (LARS: the step), median of {sizes.repeats}, beside its peer")
+    say("each kernel path, over two steps, against the plain formula (set_kernels_enabled(False))")
+    say("on this device: error max|kernel - plain| / max|plain| over each output and gradient,")
+    say(f"tolerance {tolerances}; time: forward+backward (LARS: the step),")
+    say(f"median of {sizes.repeats}, beside its peer")
     results: list[Result] = []
     with _kernels.route_cpu_tensors() if routed else contextlib.nullcontext():
         for case in [case for case in CASES if checks is None or case.name in checks]:
