@@ -14,6 +14,9 @@ and sharded parameters.
 
 from __future__ import annotations
 
+import contextvars
+import math
+import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -23,19 +26,26 @@ from torch import Tensor
 
 from normhooks import _checks
 from normhooks import _torch_compat as compat
-from normhooks._step_hook import Settings, StepHook, setting
+from normhooks._step_hook import Settings, StepHook, euclidean_norms, setting
 
 __all__ = ["TrustRatio", "rescale_updates_", "trust_ratios"]
 
 _EXACT_DTYPES = (torch.float32, torch.float64)
 
 
+def _non_negative_or_inf(name: str, value: object) -> float:
+    # math.inf never takes the ratio: with bias_correction=False, the uncorrected Adam step.
+    if value == math.inf and not isinstance(value, bool):
+        return math.inf
+    return _checks.non_negative(name, value)
+
+
 @dataclass(frozen=True, eq=False)
 class TrustRatioSettings(Settings):
     """TrustRatio's settings, which a param group can override with ``"trust_<name>"``."""
 
-    threshold: float = setting(_checks.non_negative)
-    """Parameters whose norm is at most this keep ratio 1."""
+    threshold: float = setting(_non_negative_or_inf)
+    """Parameters whose norm is at most this keep ratio 1 (``math.inf``: all of them)."""
     eps: float = setting(_checks.non_negative)
     """Added to the update's norm in the ratio's denominator."""
     # The group key is "trust_coefficient" too: a setting that starts with the prefix keeps it.
@@ -43,6 +53,13 @@ class TrustRatioSettings(Settings):
     """Multiplies the ratio."""
     clip: float | None = setting(_checks.optional(_checks.positive))
     """The cap on the ratio, or None."""
+    floor: float | None = setting(_checks.optional(_checks.positive))
+    """The lower bound on the ratio where it is taken (not on the fallback 1), or None."""
+    max_weight_norm: float | None = setting(_checks.optional(_checks.positive))
+    r"""The cap on :math:`\|w\|` in the ratio (LAMB's :math:`\phi`), or None."""
+    bias_correction: bool = setting(_checks.boolean)
+    """False: the ratio of, and the step along, a torch Adam's update without its bias
+    correction."""
 
 
 def trust_ratios(w_norm: Tensor, u_norm: Tensor, settings: TrustRatioSettings) -> Tensor:
@@ -53,16 +70,21 @@ def trust_ratios(w_norm: Tensor, u_norm: Tensor, settings: TrustRatioSettings) -
     with ``torch.where``, never a Python branch on a value: nothing is read back to the host.
 
     Example:
-        >>> settings = TrustRatioSettings(threshold=0.0, eps=0.0, trust_coefficient=1.0, clip=None)
+        >>> settings = TrustRatioSettings(
+        ...     threshold=0.0, eps=0.0, trust_coefficient=1.0, clip=None, floor=None,
+        ...     max_weight_norm=None, bias_correction=True,
+        ... )
         >>> trust_ratios(torch.tensor([3.0, 0.0, 2.0]), torch.tensor([6.0, 1.0, 0.0]), settings)
         tensor([0.5000, 1.0000, 1.0000])
     """
     denominator = u_norm + settings.eps if settings.eps != 0 else u_norm
-    ratio = w_norm / denominator
+    # The fallback below tests the unclamped norm: a clamp keeps a nonzero norm nonzero.
+    phi = w_norm if settings.max_weight_norm is None else w_norm.clamp(max=settings.max_weight_norm)
+    ratio = phi / denominator
     if settings.trust_coefficient != 1:
         ratio = ratio * settings.trust_coefficient
-    if settings.clip is not None:
-        ratio = torch.clamp(ratio, max=settings.clip)
+    if settings.clip is not None or settings.floor is not None:
+        ratio = torch.clamp(ratio, min=settings.floor, max=settings.clip)
     # A zero update stays zero whatever the ratio, and a non-finite one stays non-finite: the
     # ratio 1 leaves the optimizer's result exactly as it is (a skipped AMP step included).
     scaled = (w_norm > settings.threshold) & (u_norm > 0)
@@ -103,8 +125,77 @@ def trust_ratio_unit_(
     assert norms is not None  # the base computes them for every hook on the updates
     w_norm, d_norm = norms
     step = lr.to(d_norm) if isinstance(lr, Tensor) else lr
+    if not settings.bias_correction:
+        return _uncorrected_unit_(params, reverts, settings, step, w_norm, foreach)
     ratios = trust_ratios(w_norm, d_norm / step, settings)  # type: ignore[operator]
     rescale_updates_(params, reverts, ratios, foreach)
+    return ratios
+
+
+# The optimizer whose step the hook is finishing, for the units that read its state.
+_STEPPING: contextvars.ContextVar[torch.optim.Optimizer] = contextvars.ContextVar("stepping")
+
+
+def uncorrection_factors(optimizer: torch.optim.Optimizer, params: list[Tensor]) -> Tensor:
+    r"""``(1 - beta1**t) / sqrt(1 - beta2**t)`` for each parameter, after its step ``t``.
+
+    The factor that turns torch Adam's bias-corrected step direction back into the
+    uncorrected one: with ``eps = 0``, :math:`\hat m / \sqrt{\hat v} = c\, m / \sqrt v` with
+    :math:`c = \sqrt{1 - \beta_2^t} / (1 - \beta_1^t)`, and this is :math:`1 / c`. Computed
+    from the state's ``step`` tensors where they live, in float64 (as torch computes the
+    correction on the host), without reading a value back.
+    """
+    first = params[0]
+    group = next(g for g in optimizer.param_groups if any(p is first for p in g["params"]))
+    steps = [optimizer.state[p]["step"] for p in params]
+    t = torch.stack([torch.as_tensor(s).to(torch.float64) for s in steps])
+    # Python betas straight to float64: through a float32 tensor, 0.999 would become 0.99900001.
+    beta1, beta2 = (
+        torch.as_tensor(b, dtype=torch.float64, device=t.device) for b in group["betas"]
+    )
+    return (1 - beta1**t) / torch.sqrt(1 - beta2**t)
+
+
+def _uncorrected_unit_(
+    params: list[Tensor],
+    reverts: list[Tensor],
+    settings: TrustRatioSettings,
+    lr: float | Tensor | None,
+    w_norm: Tensor,
+    foreach: bool | None,
+) -> Tensor:
+    r"""The trust ratio on the step a torch Adam would take without bias correction.
+
+    With :math:`\rho = w_{old} - w_{new} = lr\,(wd\,w_{old} + c\,a)` (decoupled decay;
+    :math:`wd = 0` for L2 decay, which is inside :math:`a`) and :math:`k = 1 / c`,
+    :math:`\delta = k\rho + lr\,wd\,(1 - k)\,w_{old} = lr\,(a + wd\,w_{old})`, and
+    :math:`w = w_{old} - r\delta` with :math:`r` from :math:`\|\delta\| / lr`. Works in
+    place: ``params`` become :math:`w_{old}`, ``reverts`` :math:`\delta`, then the result.
+    """
+    assert lr is not None  # _check_group refuses a group without a learning rate
+    optimizer = _STEPPING.get()
+    group = next(g for g in optimizer.param_groups if any(p is params[0] for p in g["params"]))
+    k = uncorrection_factors(optimizer, params).to(w_norm)
+    decay = group["weight_decay"] if group.get("decoupled_weight_decay", False) else 0.0
+    if foreach is False:
+        for param, revert, factor in zip(params, reverts, k.unbind(0), strict=True):
+            param.add_(revert)
+            revert.mul_(factor)
+            if decay != 0:
+                revert.add_(param * (lr * decay * (1 - factor)))
+    else:
+        compat.foreach_add_(params, reverts)
+        compat.foreach_mul_(reverts, list(k.unbind(0)))
+        if decay != 0:
+            compat.foreach_addcmul_(reverts, params, list((lr * decay * (1 - k)).unbind(0)))
+    d_norm = euclidean_norms(reverts, foreach)
+    ratios = trust_ratios(w_norm, d_norm / lr, settings)
+    factors = list((-ratios).to(params[0].dtype).unbind(0))
+    if foreach is False:
+        for param, revert, factor in zip(params, reverts, factors, strict=True):
+            param.addcmul_(revert, factor)
+    else:
+        compat.foreach_addcmul_(params, reverts, factors)
     return ratios
 
 
@@ -225,6 +316,9 @@ class TrustRatio(StepHook, TrustRatioSettings):
         *,
         trust_coefficient: float = 1.0,
         clip: float | None = None,
+        floor: float | None = None,
+        max_weight_norm: float | None = None,
+        bias_correction: bool = True,
         foreach: bool | None = None,
     ) -> None:
         super().__init__(
@@ -232,10 +326,38 @@ class TrustRatio(StepHook, TrustRatioSettings):
             eps=eps,
             trust_coefficient=trust_coefficient,
             clip=clip,
+            floor=floor,
+            max_weight_norm=max_weight_norm,
+            bias_correction=bias_correction,
             foreach=foreach,
         )
+        _check_bounds(self, "floor", "clip")
+        # The optimizers whose state a unit reads (bias_correction=False in some group).
+        self._reads_state: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
+
+    def _group_settings(
+        self, optimizer: torch.optim.Optimizer, group: Mapping[str, Any], index: int
+    ) -> Any:
+        settings = super()._group_settings(optimizer, group, index)
+        if isinstance(settings, TrustRatioSettings) and not settings.bias_correction:
+            _check_adam(optimizer, group, index)
+            self._reads_state.add(optimizer)
+        return settings
+
+    def _after_step(
+        self, optimizer: torch.optim.Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> None:
+        if optimizer not in self._reads_state:
+            super()._after_step(optimizer, args, kwargs)
+            return
+        token = _STEPPING.set(optimizer)
+        try:
+            super()._after_step(optimizer, args, kwargs)
+        finally:
+            _STEPPING.reset(token)
 
     def _check_group(self, group: Mapping[str, Any], settings: TrustRatioSettings) -> str | None:
+        _check_bounds(settings, "trust_floor", "trust_clip")
         lr = group.get("lr")
         if not isinstance(lr, Tensor) and (
             isinstance(lr, bool) or not isinstance(lr, (int, float)) or not 0 <= lr < float("inf")
@@ -262,3 +384,27 @@ class TrustRatio(StepHook, TrustRatioSettings):
         """The ratios of the last step: one 1-D tensor per param group (empty where the
         group opts out or has no gradient), on the parameters' device."""
         return self._last_values
+
+
+def _check_bounds(settings: TrustRatioSettings, floor: str, clip: str) -> None:
+    if settings.floor is not None and settings.clip is not None and settings.floor > settings.clip:
+        raise ValueError(
+            f"{floor} must be at most {clip}, got {floor}={settings.floor} and "
+            f"{clip}={settings.clip}"
+        )
+
+
+def _check_adam(optimizer: torch.optim.Optimizer, group: Mapping[str, Any], index: int) -> None:
+    """``bias_correction=False`` undoes torch Adam's own correction: refuse anything else."""
+    if not isinstance(optimizer, torch.optim.Adam):
+        raise ValueError(
+            f"param group {index}: bias_correction=False undoes the bias correction of "
+            "torch.optim.Adam or AdamW, whose step rule it inverts, but the optimizer is "
+            f"{type(optimizer).__name__}"
+        )
+    dtensor = compat.dtensor_type()
+    if dtensor is not None and any(isinstance(p, dtensor) for p in group["params"]):
+        raise ValueError(
+            f"param group {index}: bias_correction=False takes the norms of local tensors "
+            'and does not support DTensor parameters; set "trust_bias_correction": True'
+        )
