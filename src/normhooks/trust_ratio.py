@@ -208,10 +208,12 @@ class TrustRatio(StepHook, TrustRatioSettings):
     .. math::
 
         u = -\Delta / lr, \qquad
-        r = \min\!\left(\frac{\eta\,\|w_{old}\|}{\|u\| + \epsilon}, \text{clip}\right), \qquad
+        r = \operatorname{clamp}\!\left(\frac{\eta\,\phi(\|w_{old}\|)}{\|u\| + \epsilon},
+            \text{floor}, \text{clip}\right), \qquad
         w \leftarrow w_{old} + r\,\Delta,
 
-    with :math:`r = 1` (the optimizer's update, untouched) where
+    with :math:`\phi(z) = \min(z, \text{max\_weight\_norm})` (LAMB's :math:`\phi`; the
+    identity by default), and :math:`r = 1` (the optimizer's update, untouched) where
     :math:`\|w_{old}\| \le` ``threshold`` or :math:`\|u\| = 0` (a zero update, a skipped AMP
     step), and norms of whole tensors (of the full tensor for DTensor shards).
     :math:`u` is the optimizer's step direction, decoupled weight decay included; dividing by
@@ -222,34 +224,27 @@ class TrustRatio(StepHook, TrustRatioSettings):
 
     With ``torch.optim.AdamW(weight_decay=wd)``,
     :math:`u = \hat m / (\sqrt{\hat v} + \epsilon_{Adam}) + wd\, w`, and this is LAMB as
-    timm's ``Lamb`` and apex's ``FusedLAMB`` compute it:
+    timm's ``Lamb`` and apex's ``FusedLAMB`` compute it (their defaults; groups with
+    ``weight_decay=0`` opt out with ``"trust": False``). The LAMBs that never correct the
+    moments (the paper's v3, torch-optimizer's and pytorch-lamb's ``Lamb``, DeepSpeed's
+    ``FusedLamb``, pytorch-optimizer's) take ``bias_correction=False``, which works on
+    ``torch.optim.Adam`` and ``AdamW`` only: it reads each parameter's ``step`` from the
+    optimizer's state and the group's ``betas``, and takes the ratio of, and the step along,
 
-    ============================  =====================================================
-    LAMB variant                  with TrustRatio
-    ============================  =====================================================
-    timm ``Lamb`` (defaults:      ``AdamW(betas, eps, weight_decay)`` + ``TrustRatio()``
-    decay added to ``u``, bias    and ``"trust": False`` on groups with
-    correction, no ratio where    ``weight_decay=0`` (``always_adapt=True``: no
-    ``weight_decay=0``)           opt-out); its ``max_grad_norm`` clipping is not part
-                                  of it (``clip_grad_norm_`` before the step is close);
-                                  ``trust_clip=True`` is ``clip=1.0``
-    timm ``decoupled_decay=True`` not reproduced: it decays ``w`` first and takes the
-                                  ratio of the decayed ``w`` and an update without decay
-    apex ``FusedLAMB`` (NVLAMB,   as timm's defaults (``use_nvlamb=True``: no opt-out);
-    ``adam_w_mode=True``)         its global gradient clipping likewise left out
-    apex ``adam_w_mode=False``    ``Adam(weight_decay=wd)`` + ``TrustRatio()``: the L2
-                                  term enters the moments, not ``u``
-    paper v1 (arXiv:1904.00962)   AdamW + TrustRatio: bias correction, decay in ``u``,
-                                  :math:`r = \|w\| / \|u\|`
-    paper v3                      no bias correction (torch's Adam always corrects:
-                                  needs an optimizer without it) and
-                                  :math:`\phi(\|w\|)` for :math:`\|w\|`
-    paper v5 (final)              bias correction again and :math:`\phi(\|w\|)`, a
-                                  clipping of the weight norm; ``clip`` caps the ratio
-                                  instead and ``threshold`` leaves small weights alone
-    optax ``chain(..., scale_by_  the same formula, ``eps`` included; optax has no
-    trust_ratio(), scale(-lr))``  ``threshold`` or ``clip``
-    ============================  =====================================================
+    .. math::
+
+        \delta = \frac{\rho}{c} + lr\, wd \left(1 - \frac{1}{c}\right) w_{old}
+               = lr\left(\frac{m}{\sqrt v + \epsilon_{Adam}\sqrt{1 - \beta_2^t}}
+                 + wd\, w_{old}\right),
+        \qquad c = \frac{\sqrt{1 - \beta_2^t}}{1 - \beta_1^t},
+
+    with :math:`\rho = -\Delta` (:math:`wd` the decoupled decay; 0 for Adam's L2 decay, which
+    is inside :math:`m` and :math:`v`): :math:`w \leftarrow w_{old} - r\delta`, :math:`r`
+    from :math:`\|\delta\| / lr`, and :math:`r = 1` still where the ratio falls back, so a
+    zero weight takes the uncorrected Adam step those LAMBs take. ``eps`` cannot be mapped
+    after the fact: the peers add theirs to :math:`\sqrt v`, so an ``AdamW`` eps of
+    :math:`\epsilon / \sqrt{1 - \beta_2^t}` at step :math:`t` (or ``eps=0``) reproduces them.
+    docs/migrating/lamb.md gives the call for each peer, with the differences measured.
 
     With ``torch.optim.SGD(momentum)`` it is optax's ``chain(trace(momentum),
     scale_by_trust_ratio(), scale(-lr))``.
@@ -271,7 +266,8 @@ class TrustRatio(StepHook, TrustRatioSettings):
     parameters and train in low precision under ``torch.autocast``.
 
     Param groups can opt out (``"trust": False``) or override a setting for themselves with
-    ``"trust_threshold"``, ``"trust_eps"``, ``"trust_coefficient"`` or ``"trust_clip"``. The
+    ``"trust_threshold"``, ``"trust_eps"``, ``"trust_coefficient"``, ``"trust_clip"``,
+    ``"trust_floor"``, ``"trust_max_weight_norm"`` or ``"trust_bias_correction"``. The
     ratios of the last step are in :attr:`last_ratios`. Closures work (the hook evaluates
     the closure, as every :class:`~normhooks._step_hook.StepHook` does); under
     :class:`torch.amp.GradScaler` a skipped step stays skipped: a non-fused optimizer's step
@@ -280,17 +276,27 @@ class TrustRatio(StepHook, TrustRatioSettings):
     set of process groups for all of them. One TrustRatio per optimizer.
 
     Args:
-        threshold: parameters whose norm is at most this keep the optimizer's update (r = 1).
+        threshold: parameters whose norm is at most this keep the optimizer's update (r = 1);
+            ``math.inf`` for every parameter.
         eps: added to :math:`\|u\|` in the denominator.
         trust_coefficient: :math:`\eta`, multiplies the ratio.
         clip: an upper bound on the ratio (timm's ``trust_clip=True`` is ``clip=1.0``), or
             None for no bound.
+        floor: a lower bound on the ratio where it is taken (DeepSpeed's ``min_coeff``), or
+            None; at most ``clip``.
+        max_weight_norm: the cap on :math:`\|w\|` in the ratio (torch-optimizer's
+            ``clamp_value``, pytorch-lamb's and pytorch-optimizer's 10), or None. The paper
+            bounds :math:`\phi` below too (:math:`\gamma_l`), which no PyTorch peer does and
+            this does not offer.
+        bias_correction: False takes the ratio of the update ``torch.optim.Adam``/``AdamW``
+            would take without bias correction, and steps along it (see above).
         foreach: True or None take multi-tensor ops, False one tensor at a time; the norms
             of long CPU tensors are taken row by row either way (see :func:`~normhooks.lars_`).
 
     References:
         You et al., Large Batch Optimization for Deep Learning: Training BERT in 76 Minutes,
-        arXiv:1904.00962 (v1, v3 and v5 differ as above).
+        arXiv:1904.00962 (v1 corrects the moments, v3 does not, v5 does again; v3 and v5
+        bound the weight norm by :math:`\phi`).
 
     Example:
         >>> model = torch.nn.Linear(3, 2)
