@@ -619,10 +619,12 @@ def mlp() -> nn.Module:
     return nn.Sequential(nn.Linear(5, 8), nn.ReLU(), nn.Linear(8, 3))
 
 
-def overflowing_step(fused: bool) -> tuple[nn.Module, list[Tensor], TrustRatio, Any]:
+def overflowing_step(
+    fused: bool, bias_correction: bool = True
+) -> tuple[nn.Module, list[Tensor], TrustRatio, Any]:
     model = mlp()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.05, fused=fused)
-    hook = TrustRatio()
+    hook = TrustRatio(bias_correction=bias_correction)
     hook.attach(optimizer)
     before = [p.detach().clone() for p in model.parameters()]
     scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
@@ -641,8 +643,10 @@ def test_skipped_non_fused_step_runs_neither_hook() -> None:
         assert torch.equal(param.detach(), old)
 
 
-def test_skipped_fused_step_changes_nothing() -> None:
-    model, before, hook, optimizer = overflowing_step(fused=True)
+@pytest.mark.parametrize("bias_correction", [True, False], ids=["corrected", "uncorrected"])
+def test_skipped_fused_step_changes_nothing(bias_correction: bool) -> None:
+    # Uncorrected, the skipped step is at t = 0, whose correction 0 / 0 must not be read.
+    model, before, hook, optimizer = overflowing_step(fused=True, bias_correction=bias_correction)
     assert [r.tolist() for r in hook.last_ratios] == [[1.0] * 4]
     for param, old in zip(model.parameters(), before, strict=True):
         assert torch.equal(param.detach(), old)

@@ -126,7 +126,7 @@ def trust_ratio_unit_(
     w_norm, d_norm = norms
     step = lr.to(d_norm) if isinstance(lr, Tensor) else lr
     if not settings.bias_correction:
-        return _uncorrected_unit_(params, reverts, settings, step, w_norm, foreach)
+        return _uncorrected_unit_(params, reverts, settings, step, norms, foreach)
     ratios = trust_ratios(w_norm, d_norm / step, settings)  # type: ignore[operator]
     rescale_updates_(params, reverts, ratios, foreach)
     return ratios
@@ -161,7 +161,7 @@ def _uncorrected_unit_(
     reverts: list[Tensor],
     settings: TrustRatioSettings,
     lr: float | Tensor | None,
-    w_norm: Tensor,
+    norms: tuple[Tensor, Tensor],
     foreach: bool | None,
 ) -> Tensor:
     r"""The trust ratio on the step a torch Adam would take without bias correction.
@@ -175,7 +175,10 @@ def _uncorrected_unit_(
     assert lr is not None  # _check_group refuses a group without a learning rate
     optimizer = _STEPPING.get()
     group = next(g for g in optimizer.param_groups if any(p is params[0] for p in g["params"]))
-    k = uncorrection_factors(optimizer, params).to(w_norm)
+    w_norm, d_norm = norms
+    # A zero update (a skipped fused AMP step, whose step count is back at t - 1, maybe 0
+    # where the factor is 0 / 0) stays zero: k = 1 leaves it, decay term and all.
+    k = torch.where(d_norm > 0, uncorrection_factors(optimizer, params).to(w_norm), 1.0)
     decay = group["weight_decay"] if group.get("decoupled_weight_decay", False) else 0.0
     if foreach is False:
         for param, revert, factor in zip(params, reverts, k.unbind(0), strict=True):
@@ -188,8 +191,7 @@ def _uncorrected_unit_(
         compat.foreach_mul_(reverts, list(k.unbind(0)))
         if decay != 0:
             compat.foreach_addcmul_(reverts, params, list((lr * decay * (1 - k)).unbind(0)))
-    d_norm = euclidean_norms(reverts, foreach)
-    ratios = trust_ratios(w_norm, d_norm / lr, settings)
+    ratios = trust_ratios(w_norm, euclidean_norms(reverts, foreach) / lr, settings)
     factors = list((-ratios).to(params[0].dtype).unbind(0))
     if foreach is False:
         for param, revert, factor in zip(params, reverts, factors, strict=True):
