@@ -26,7 +26,6 @@ from normhooks import _checks
 from normhooks import _torch_compat as compat
 from normhooks._precision import compute_dtype
 from normhooks._step_hook import (
-    _CPU_SHORT,
     Settings,
     StepHook,
     _Bound,
@@ -64,9 +63,9 @@ def sphere_norms(tensor: Tensor, dim: int) -> Tensor:
     dimensions seen as a matrix of its dim 0 by the rest, shaped to broadcast against it, in
     its compute dtype.
 
-    On the CPU, float32 norms over more than ``_CPU_SHORT`` values are accumulated in float64
-    (rows through :func:`~normhooks._step_hook.row_norms`): a float32 sum that long is not
-    precise.
+    On the CPU, float32 columns are accumulated in float64, and rows of more than 4096 values
+    in float64 pieces (:func:`~normhooks._step_hook.row_norms`): float32 sums that long are
+    not precise.
 
     Example:
         >>> sphere_norms(torch.tensor([[3.0, 4.0], [0.0, 1.0]]), dim=1)
@@ -79,7 +78,9 @@ def sphere_norms(tensor: Tensor, dim: int) -> Tensor:
         shape = (tensor.shape[0],) + (1,) * (tensor.ndim - 1)
         return row_norms(tensor).reshape(shape)
     acc = compute_dtype(tensor.dtype)
-    if tensor.is_cpu and acc == torch.float32 and tensor.shape[0] > _CPU_SHORT:
+    if tensor.is_cpu and acc == torch.float32:
+        # torch's CPU reduction along dim 0 sums each column in float32 one row after another
+        # (for 768 rows, 9 units in the last place off; in float64, within rounding).
         acc = torch.float64
     norms: Tensor = torch.linalg.vector_norm(tensor, dim=0, keepdim=True, dtype=acc)
     return norms.to(compute_dtype(tensor.dtype))
@@ -140,8 +141,8 @@ class Hypersphere(StepHook, HypersphereSettings):
     ``eps`` (default 1e-12, as ``torch.nn.functional.normalize``) only matters for a vector of
     norm below it: nGPT divides by the norm itself, which turns a zero vector into NaN; here a
     zero vector stays zero, and every other vector of norm at least ``eps`` is exactly
-    :math:`w / \|w\|`. The norms are computed in float32 at least (in float64 on the CPU for
-    float32 vectors of more than 4096 values); float16/bfloat16 weights are divided in
+    :math:`w / \|w\|`. The norms are computed in float32 at least (on the CPU in float64 for
+    float32 columns and rows of more than 4096 values); float16/bfloat16 weights are divided in
     float32 and rounded once.
 
     A step :class:`torch.amp.GradScaler` skips leaves the weights untouched: a non-fused
