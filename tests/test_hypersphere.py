@@ -15,7 +15,7 @@ from torch import Tensor, nn
 
 from helpers import assert_close_rel
 from hook_kinds import on_sphere
-from normhooks import Hypersphere
+from normhooks import Hypersphere, UpdateRMS
 
 OPTIMIZERS: dict[str, Callable[[Any], torch.optim.Optimizer]] = {
     "sgd-momentum": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),
@@ -218,6 +218,22 @@ def test_matches_the_formula_after_pytorch_optimizers_muon() -> None:
         reference_step_(reference, plain, step)
     for actual, expected in zip(hooked.parameters(), reference.parameters(), strict=True):
         assert_close_rel(actual.detach(), expected.detach(), 1e-12)
+
+
+def test_after_update_rms_attached_first_the_rescaled_step_is_normalized() -> None:
+    """Post-step hooks run in the order they were attached: a hook on the updates first, the
+    sphere last (Muon's RMS matching, then nGPT's normalization)."""
+    weight = 2 * torch.randn(6, 5, dtype=torch.float64)
+    grad = torch.randn(6, 5, dtype=torch.float64)
+    param = nn.Parameter(weight.clone())
+    param.grad = grad.clone()
+    optimizer = torch.optim.SGD([param], lr=0.1)
+    UpdateRMS("match", 0.2).attach(optimizer)
+    Hypersphere().attach(optimizer)
+    optimizer.step()
+    r = 0.2 / (grad.norm().item() / math.sqrt(grad.numel()))
+    expected = on_sphere(weight - 0.1 * r * grad)
+    torch.testing.assert_close(param.detach(), expected, rtol=1e-14, atol=0)
 
 
 # --- AMP -----------------------------------------------------------------------------------

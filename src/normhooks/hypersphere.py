@@ -154,7 +154,9 @@ class Hypersphere(StepHook, HypersphereSettings):
     ``Shard(0)``): rows are whole on each rank, so ``dim=1`` needs no communication; for
     ``dim=0`` (or rows split by tensor parallelism) the squares of the local norms are summed
     over the shards, one all-reduce per set of process groups for all such parameters. One
-    Hypersphere per optimizer.
+    Hypersphere per optimizer; with a hook on the updates (:class:`~normhooks.TrustRatio`,
+    :class:`~normhooks.UpdateRMS`) on the same optimizer, attach Hypersphere last: post-step
+    hooks run in the order they were attached.
 
     Args:
         dim: 1 to normalize each row, 0 each column.
