@@ -378,3 +378,55 @@ def test_bad_groups_are_refused_at_attach_and_nothing_changes(
     assert not optimizer._optimizer_step_pre_hooks
     for key, value in net.state_dict().items():
         assert torch.equal(value, before[key])
+
+
+# --- sharding: which mesh dims split a normalized vector -----------------------------------
+
+
+class FakeMesh:
+    def __init__(self, *sizes: int) -> None:
+        self._sizes = sizes
+
+    def size(self, mesh_dim: int) -> int:
+        return self._sizes[mesh_dim]
+
+
+@pytest.mark.parametrize(
+    ("sizes", "placements", "dim", "expected"),
+    [
+        ((2,), ["shard0"], 1, ()),
+        ((2,), ["shard0"], 0, (0,)),
+        ((2,), ["shard1"], 1, (0,)),
+        ((2,), ["shard1"], 0, ()),
+        ((2, 2), ["replicate", "shard0"], 0, (1,)),
+        ((2, 2), ["shard0", "shard1"], 1, (1,)),
+        ((2, 2), ["shard0", "shard1"], 0, (0,)),
+        ((1, 2), ["shard0", "replicate"], 0, ()),
+        ((2,), ["shard-1"], 1, (0,)),
+    ],
+    ids=[
+        "fsdp-rows",
+        "fsdp-columns",
+        "tp-rows",
+        "tp-columns",
+        "hsdp-columns",
+        "fsdp-tp-rows",
+        "fsdp-tp-columns",
+        "mesh-of-one",
+        "negative-dim",
+    ],
+)
+def test_the_mesh_dims_reduced_are_those_that_split_the_normalized_vectors(
+    sizes: tuple[int, ...], placements: list[str], dim: int, expected: tuple[int, ...]
+) -> None:
+    from torch.distributed.tensor import Replicate, Shard
+
+    from normhooks.hypersphere import _reduced_mesh_dims
+
+    made = {"shard0": Shard(0), "shard1": Shard(1), "shard-1": Shard(-1), "replicate": Replicate()}
+    param = type(
+        "FakeDTensor",
+        (),
+        {"device_mesh": FakeMesh(*sizes), "placements": [made[p] for p in placements], "ndim": 3},
+    )()
+    assert _reduced_mesh_dims(param, dim) == expected
