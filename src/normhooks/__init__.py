@@ -5,8 +5,10 @@ from normhooks._kernels import kernels_enabled, set_kernels_enabled
 from normhooks.agc import AdaptiveGradientClipping, agc_, agc_param_groups
 from normhooks.data_dependent_init import data_dependent_init
 from normhooks.gradient_centralization import GradientCentralization, centralize_gradients_
+from normhooks.hypersphere import Hypersphere
 from normhooks.lars import GradientLARS, lars_, lars_param_groups
 from normhooks.trust_ratio import TrustRatio
+from normhooks.update_rms import UpdateRMS
 from normhooks.weight_norm import (
     WeightNorm,
     apply_weight_norm,
@@ -27,8 +29,10 @@ __all__ = [
     "AdaptiveGradientClipping",
     "GradientCentralization",
     "GradientLARS",
+    "Hypersphere",
     "ScaledWeightStandardization",
     "TrustRatio",
+    "UpdateRMS",
     "WeightNorm",
     "WeightStandardization",
     "agc_",

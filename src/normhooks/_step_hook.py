@@ -18,7 +18,9 @@ so it composes with every optimizer. A technique subclasses :class:`StepHook` an
   place and returns one value per parameter (LARS: its rates), or None.
 
 Optionally: ``scaled_gradients = True`` (the unit function takes GradScaler's scaled
-gradients itself, see below), ``row_wise = True`` (it works on the rows along dim 0 of
+gradients itself, see below), ``full_shapes = True`` (a hook on the updates: its unit function
+takes ``shapes``, each parameter's shape as a whole tensor, a DTensor's and not its shard's),
+``row_wise = True`` (it works on the rows along dim 0 of
 tensors with two or more dimensions: a DTensor sharded on another dim is refused),
 ``whole_norms = False`` (it needs no norms of whole tensors: sharded parameters then cost no
 collective), ``_check_group(group, settings)`` (raises for a group it cannot serve, or
@@ -566,6 +568,12 @@ def _reduce_norms_(
         bound[i].norms = (first, second)
 
 
+def _full_shapes(bound: _Bound) -> list[torch.Size]:
+    """The shapes of ``bound``'s parameters as whole tensors (a DTensor's, not its shard's)."""
+    full = dict(zip(bound.unit.positions, bound.unit.params, strict=True))
+    return [full[position].shape for position in bound.positions]
+
+
 def _in_order(per_unit: list[tuple[list[int], Tensor]]) -> Tensor:
     """The units' values as one tensor in the order of their positions, on the first unit's
     device."""
@@ -771,6 +779,7 @@ class StepHook:
     technique: ClassVar[str]
     rewrites: ClassVar[Literal["gradients", "updates"]] = "gradients"
     scaled_gradients: ClassVar[bool] = False
+    full_shapes: ClassVar[bool] = False
     row_wise: ClassVar[bool] = False
     whole_norms: ClassVar[bool] = True
     _settings_class: ClassVar[type[Settings]]
@@ -1255,8 +1264,9 @@ class StepHook:
             for (settings, lr), of_group in zip(pending.jobs, pending.bound, strict=True):
                 per_unit = []
                 for b in of_group:
+                    extra = {"shapes": _full_shapes(b)} if self.full_shapes else {}
                     values = type(self)._unit_(
-                        b.params, b.sources, settings, lr, norms=b.norms, foreach=foreach
+                        b.params, b.sources, settings, lr, norms=b.norms, foreach=foreach, **extra
                     )
                     if values is not None:
                         per_unit.append((b.positions, values))
