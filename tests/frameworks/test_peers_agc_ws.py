@@ -337,3 +337,17 @@ def test_timm_std_conv2d() -> None:
     apply_weight_standardization(ours, eps=1e-6, layer_types=nn.Conv2d)
     assert not parametrize.is_parametrized(ours[3])
     assert_ws_alike(*train_ws_side_by_side(theirs, ours))
+
+
+def test_a_composer_checkpoint_loads_into_the_normhooks_model() -> None:
+    torch.manual_seed(0)
+    theirs = ws_net().double()
+    ours = copy.deepcopy(theirs)
+    composer_ws_(theirs)
+    apply_weight_standardization(ours, eps=1e-10, layer_types=(nn.Conv1d, nn.Conv2d, nn.Conv3d))
+    theirs, _ = train_ws_side_by_side(theirs, copy.deepcopy(ours))
+    state = theirs.state_dict()
+    assert list(ours.state_dict()) == list(state)
+    ours.load_state_dict(state)
+    x = torch.randn(2, 2, 6, 6, dtype=torch.float64)
+    torch.testing.assert_close(ours(x), theirs(x), rtol=1e-12, atol=1e-13)
