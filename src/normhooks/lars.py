@@ -41,10 +41,11 @@ _ZERO_GRAD_RATES: dict[str, float | None] = {"scale": None, "decay": 1.0, "skip"
 
 
 def _zero_grad_mode(name: str, value: object) -> str:
-    if not isinstance(value, str) or value not in _ZERO_GRAD_RATES:
-        raise ValueError(
-            f"{name} must be one of {', '.join(map(repr, _ZERO_GRAD_RATES))}, got {name}={value!r}"
-        )
+    expected = ", ".join(map(repr, _ZERO_GRAD_RATES))
+    if not isinstance(value, str):
+        raise TypeError(f"{name} must be a str, one of {expected}, got {name}={value!r}")
+    if value not in _ZERO_GRAD_RATES:
+        raise ValueError(f"{name} must be one of {expected}, got {name}={value!r}")
     return value
 
 
