@@ -12,7 +12,9 @@ out below from their sources, one step function each, and cited:
   rewrite of June 2022, commit b5a2b056);
 - NVIDIA/apex ``apex/parallel/LARC.py`` (``LARC``, removed from apex in 2025, commit
   cb65b8ed; vissl wraps its optimizers in it);
-- kakaobrain/torchlars ``torchlars/lars.py`` and ``torchlars/adaptive_lr.cc`` (``LARS``).
+- kakaobrain/torchlars ``torchlars/lars.py`` and ``torchlars/adaptive_lr.cc`` (``LARS``);
+- huggingface/pytorch-image-models ``timm/optim/lars.py`` (``Lars``), for the page's table of
+  zero-gradient rules.
 
 Each run is 25 steps in float64 of a small MLP and a small conv net, both with a residual
 branch behind a zero-initialized BatchNorm gain (``zero_init_residual``: the layer before it
@@ -141,6 +143,25 @@ class FusedLARS:
         for group in self.groups:
             for p in group["params"]:
                 p.grad = None
+
+
+class TimmLars(FusedLARS):
+    """timm's ``Lars``: the rate where ``weight_decay != 0`` (or ``always_adapt``), 1 where
+    ``||w|| = 0`` or ``||g|| = 0``, and the decay always added; then the same SGD part."""
+
+    @torch.no_grad()
+    def step(self) -> None:
+        for group in self.groups:
+            wd = group["weight_decay"]
+            for p in group["params"]:
+                grad = p.grad
+                if wd != 0:
+                    w_norm, g_norm = p.norm(2.0), grad.norm(2.0)
+                    ratio = group["trust_coefficient"] * w_norm / (g_norm + w_norm * wd + 1e-8)
+                    ratio = torch.where(w_norm > 0, torch.where(g_norm > 0, ratio, 1.0), 1.0)
+                    grad.add_(p, alpha=wd)
+                    grad.mul_(ratio)
+                sgd_part(self.state.setdefault(id(p), {}), p, grad, group)
 
 
 class WrapperLARS:
@@ -434,3 +455,21 @@ def test_lars_param_groups_by_shape_leaves_out_the_head_lightly_scales() -> None
         return optimizer
 
     assert max_difference(*train_side_by_side(*MODELS["mlp"], theirs, ours)) > 1e-3
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_timm_lars_takes_the_decay_mode(model: str) -> None:
+    # timm.optim.Lars(groups, lr, momentum=0.9, weight_decay, trust_coeff=1e-3)
+    def theirs(net: nn.Module) -> TimmLars:
+        settings = {"lr": LR, "momentum": 0.9, "nesterov": False, "trust_coefficient": 1e-3}
+        return TimmLars(lightly_groups(net, 1e-2), solo=False, **settings)
+
+    def ours(net: nn.Module) -> torch.optim.Optimizer:
+        optimizer = torch.optim.SGD(lightly_groups(net, 1e-2), lr=LR, momentum=0.9)
+        decay_to_lars_(optimizer, no_decay_no_lars=True)
+        GradientLARS(
+            threshold=0.0, eps=1e-8, trust_coefficient=1e-3, zero_grad_mode="decay"
+        ).attach(optimizer)
+        return optimizer
+
+    assert_trained_alike(*train_side_by_side(*MODELS[model], theirs, ours))
