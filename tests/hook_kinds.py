@@ -200,7 +200,7 @@ KINDS: dict[str, Kind] = {
         agc_,
         gradient=agc_gradient,
         override=("agc_clipping", 0.02, "clipping"),
-        bad_override=("agc_eps", 0.0, r"param group \d: agc_eps must be positive"),
+        bad_override=("agc_eps", -1.0, r"param group \d: agc_eps must be non-negative"),
         values="last_ratios",
         value=agc_value,
         # Clips some units of the test gradients and leaves others alone.
