@@ -4,8 +4,8 @@ Prints ``(TrustRatio + AdamW(foreach)) / AdamW(foreach)`` and ``LAMB / AdamW(for
 real models' parameter shapes, measured in one run, for these LAMBs: pytorch-optimizer's
 ``Lamb`` (``adam_debias=True``; the same work per step, not the same numbers: its exact
 counterpart is ``TrustRatio(bias_correction=False, max_weight_norm=10)`` on Adam, see
-docs/migrating/lamb.md) in its multi-tensor and its per-tensor mode; timm's ``Lamb`` (gradient clipping off,
-``always_adapt=True``: the same maths) when timm imports, and otherwise a multi-tensor LAMB
+docs/migrating/lamb.md) in its multi-tensor and its per-tensor mode; timm's ``Lamb``
+(gradient clipping off, ``always_adapt=True``: the same maths) when timm imports, and otherwise a multi-tensor LAMB
 step written here from the paper (arXiv:1904.00962, Algorithm 2 with bias correction),
 labelled as such.
 
