@@ -78,6 +78,7 @@ def test_lars_matches_formula(
     expected = [
         reference(p, p.grad, threshold, weight_decay, eps, trust_coefficient) for p in params
     ]
+    terms = [p.grad.double().abs() + weight_decay * p.double().abs() for p in params]
     rates = lars_(params, threshold, weight_decay, eps, trust_coefficient=trust_coefficient)
     rtol = 1e-12 if dtype == torch.float64 else 2e-6
     torch.testing.assert_close(
@@ -86,8 +87,18 @@ def test_lars_matches_formula(
         rtol=rtol,
         atol=0.0,
     )
-    for param, (grad, _) in zip(params, expected, strict=True):
-        torch.testing.assert_close(param.grad.double(), grad, rtol=rtol, atol=rtol * 1e-3)
+    for param, (grad, rate), term in zip(params, expected, terms, strict=True):
+        assert_update_close(param.grad, grad, rate * term)
+
+
+def assert_update_close(actual: torch.Tensor, expected: torch.Tensor, terms: torch.Tensor) -> None:
+    """Within a few units in the last place of the larger of ``r|g|`` and ``r wd |w|``
+    (``terms`` is their sum): the CPU update adds the two products, each rounded, so where
+    they cancel the result keeps their absolute error, not a relative one."""
+    ulp = torch.finfo(actual.dtype).eps
+    error = (actual.double() - expected).abs()
+    bound = 2 * ulp * expected.abs() + 2 * ulp * terms
+    assert bool((error <= bound).all()), f"largest error above bound: {(error - bound).max()}"
 
 
 @settings(deadline=None, max_examples=30)
@@ -216,12 +227,33 @@ def test_group_override_of_zero_grad_mode(path: str) -> None:
     assert hook.last_rates[1].item() == pytest.approx(1.0 / (1e-9 / scaled.norm().item() + 1e-2))
 
 
+@pytest.mark.parametrize("weight_decay", [0.0, 1e-2], ids=["no-decay", "decay"])
 @pytest.mark.parametrize("bad", [math.inf, math.nan], ids=["inf", "nan"])
-def test_non_finite_grads_stay_non_finite(bad: float) -> None:
+def test_non_finite_grads_stay_non_finite(bad: float, weight_decay: float) -> None:
     param = param_with_grad(3, 3)
     param.grad[1, 1] = bad
-    lars_([param])
+    lars_([param], weight_decay=weight_decay)
     assert not torch.isfinite(param.grad).all()
+
+
+@pytest.mark.parametrize("foreach", [None, False], ids=["foreach", "loop"])
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last", "transposed"])
+def test_decayed_update_of_any_layout_matches_formula(layout: str, foreach: bool | None) -> None:
+    """The one-pass CPU update lines up the values of a gradient and a weight element by
+    element, whatever their strides, and matches the float64 formula."""
+    torch.manual_seed(0)
+    params = [param_with_grad(6, 4, 3, 3), param_with_grad(5, 7), param_with_grad(5000)]
+    if layout == "channels_last":
+        params[0].data = params[0].data.to(memory_format=torch.channels_last)
+    elif layout == "transposed":
+        params[1].grad = params[1].grad.t().contiguous().t()
+    expected = [reference(p, p.grad, weight_decay=0.1) for p in params]
+    terms = [p.grad.double().abs() + 0.1 * p.double().abs() for p in params]
+    rates = lars_(params, weight_decay=0.1, foreach=foreach)
+    want = torch.tensor([r for _, r in expected], dtype=torch.float64)
+    torch.testing.assert_close(rates.double(), want, rtol=2e-6, atol=0)
+    for param, (grad, rate), term in zip(params, expected, terms, strict=True):
+        assert_update_close(param.grad, grad, rate * term)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])

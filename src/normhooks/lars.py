@@ -105,6 +105,15 @@ def _update_(
     foreach: bool | None,
 ) -> None:
     """``g <- rate * (g / grad_scale + weight_decay * w)`` in place, for one device and dtype."""
+    if (
+        weight_decay != 0
+        and grad_scale is None
+        and grads[0].is_cpu
+        and grads[0].dtype not in HALF_DTYPES
+        and compat.plain_eager(*params, *grads)
+    ):
+        _decayed_update_on_cpu_(params, grads, rates, weight_decay)
+        return
     inv_scale = None if grad_scale is None else inverse_scale(grad_scale, grads[0].device)
     if foreach is False or grads[0].dtype in HALF_DTYPES:
         # Low precision: computed in float32 and rounded once, which no multi-tensor op does.
@@ -123,6 +132,25 @@ def _update_(
     if weight_decay != 0:
         compat.foreach_add_(grads, params, alpha=weight_decay)
     compat.foreach_mul_(grads, list(rates.to(grads[0].dtype).unbind(0)))
+
+
+def _decayed_update_on_cpu_(
+    params: list[Tensor], grads: list[Tensor], rates: Tensor, weight_decay: float
+) -> None:
+    """``g <- rate * g + (rate * weight_decay) * w`` in one pass over each tensor, on the CPU.
+
+    torch has no multi-tensor op for ``a * x + b * y``, and ``add_`` then ``mul_`` are two
+    passes; ``addr_`` with a one-element vector is that sum in one, with Python coefficients,
+    and on the CPU reading the rates waits for no device.
+    """
+    one = torch.ones(1, dtype=grads[0].dtype)
+    for param, grad, rate in zip(params, grads, rates.tolist(), strict=True):
+        # addr_ ignores its input where beta is 0 (a non-finite gradient must stay non-finite),
+        # and flat views line values up only where both tensors are contiguous.
+        if rate != 0 and grad.is_contiguous() and param.is_contiguous():
+            grad.view(-1, 1).addr_(param.view(-1), one, beta=rate, alpha=rate * weight_decay)
+        else:
+            grad.add_(param, alpha=weight_decay).mul_(rate)
 
 
 def lars_unit_(
@@ -212,7 +240,10 @@ def lars_(
     squares are added in float64 (a single float32 reduction of a long tensor is not
     precise), and the rest in one multi-tensor call. The update is two multi-tensor calls,
     except for float16/bfloat16, whose norms and update are computed in float32 (the update
-    one tensor at a time) and rounded once. Nothing is read back to the host.
+    one tensor at a time) and rounded once, and for float32/float64 CPU tensors with weight
+    decay, whose update is one pass per tensor, :math:`r g + (r\beta) w`, with the rates
+    read as Python numbers (on the CPU that waits for no device). Elsewhere nothing is read
+    back to the host.
 
     Args:
         parameters: a tensor or an iterable of tensors; those without ``.grad`` are skipped.
