@@ -19,6 +19,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from helpers import assert_close_rel
 from hook_kinds import guarded_ratio
 from normhooks import GradientLARS, TrustRatio
+from normhooks import trust_ratio as trust_ratio_module
 
 SHAPES = [(6, 5), (5,), (3, 6, 2), (3,)]
 BETAS = (0.9, 0.99)
@@ -821,3 +822,56 @@ def test_bad_group_added_later_refused_before_the_closure_and_nothing_changes() 
     assert calls == []
     for param, old in zip(params, before, strict=True):
         assert torch.equal(param.detach(), old)
+
+
+# --- the CPU order: every tensor's norms chunk by chunk ---------------------------------------
+
+CHUNK = trust_ratio_module._CHUNK
+IN_CACHE_SIZES = {
+    "short": [3, 4096],
+    "rows-and-tail": [4097, 3 * 1024 + 5],
+    "chunk-boundaries": [CHUNK, CHUNK + 1, 2 * CHUNK + 1024, 2 * CHUNK - 1],
+}
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "transposed"])
+@pytest.mark.parametrize("sizes", list(IN_CACHE_SIZES.values()), ids=list(IN_CACHE_SIZES))
+def test_norms_and_reverts_match_float64(sizes: list[int], layout: str) -> None:
+    torch.manual_seed(0)
+    olds = [torch.randn(2, n) for n in sizes]
+    news = [o + 1e-3 * torch.randn_like(o) for o in olds]
+    if layout == "transposed":
+        news = [n.t().contiguous().t() for n in news]
+    want_w = [o.double().norm().item() for o in olds]
+    reverts = [o - n for o, n in zip(olds, news, strict=True)]  # the float32 difference
+    want_d = [r.double().norm().item() for r in reverts]
+    w_norm, d_norm = trust_ratio_module.norms_and_reverts_(olds, news)
+    torch.testing.assert_close(
+        w_norm.double(), torch.tensor(want_w, dtype=torch.float64), rtol=6e-7, atol=0
+    )
+    torch.testing.assert_close(
+        d_norm.double(), torch.tensor(want_d, dtype=torch.float64), rtol=6e-7, atol=0
+    )
+    for old, revert in zip(olds, reverts, strict=True):
+        assert torch.equal(old, revert)
+
+
+def test_the_cpu_order_gives_the_base_order_ratios() -> None:
+    """The same ratios and parameters as the base's post-step (taken with foreach=False)."""
+    torch.manual_seed(0)
+    shapes = [(3,), (70, 70), (2 * CHUNK + 7,)]
+    results = []
+    for foreach in (None, False):
+        torch.manual_seed(0)
+        params = [nn.Parameter(torch.randn(shape)) for shape in shapes]
+        for p in params:
+            p.grad = torch.randn_like(p)
+        hook = TrustRatio(foreach=foreach)
+        optimizer = torch.optim.AdamW(params, lr=1e-2, weight_decay=1e-2, foreach=True)
+        hook.attach(optimizer)
+        optimizer.step()
+        results.append((hook.last_ratios[0], [p.detach() for p in params]))
+    (ratios, params), (base_ratios, base_params) = results
+    torch.testing.assert_close(ratios, base_ratios, rtol=1e-6, atol=0)
+    for param, base in zip(params, base_params, strict=True):
+        torch.testing.assert_close(param, base, rtol=1e-6, atol=1e-7)

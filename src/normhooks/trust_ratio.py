@@ -26,7 +26,17 @@ from torch import Tensor
 
 from normhooks import _checks
 from normhooks import _torch_compat as compat
-from normhooks._step_hook import Settings, StepHook, euclidean_norms, setting
+from normhooks._step_hook import (
+    _CPU_ROW,
+    _CPU_SHORT,
+    Settings,
+    StepHook,
+    _Bound,
+    _in_order,
+    _Pending,
+    euclidean_norms,
+    setting,
+)
 
 __all__ = ["TrustRatio", "rescale_updates_", "trust_ratios"]
 
@@ -201,6 +211,96 @@ def _uncorrected_unit_(
     return ratios
 
 
+# Long CPU tensors are swept in chunks of this many values (whole rows of _CPU_ROW), so that
+# a chunk read for the old weight's norm is still in the core's cache when the difference is
+# taken and its norm read.
+_CHUNK = 128 * _CPU_ROW
+
+
+def _in_cache_order(bound: list[_Bound]) -> bool:
+    """Whether :func:`norms_and_reverts_` takes every unit's norms: local float32 CPU tensors
+    in eager code (float64 ones keep float64 norms, the rest the base's order)."""
+    return all(
+        not b.unit.reduce
+        and b.sources[0].is_cpu
+        and b.sources[0].dtype == torch.float32
+        and compat.plain_eager(*b.params, *b.sources)
+        for b in bound
+    )
+
+
+def norms_and_reverts_(olds: list[Tensor], params: list[Tensor]) -> tuple[Tensor, Tensor]:
+    """``(||w_old||, ||w_old - w_new||)`` of float32 CPU tensors, the difference left in ``olds``.
+
+    The norms of :func:`~normhooks._step_hook.euclidean_norms` (rows of ``_CPU_ROW`` values
+    whose squares are added in float64 for tensors of more than ``_CPU_SHORT`` values, one
+    multi-tensor call for the rest), in another order: each long tensor chunk by chunk, the
+    old values' norm, the difference and its norm while the chunk is in cache, where taking
+    each for all tensors in turn reads every tensor from memory three times.
+
+    Example:
+        >>> olds, news = [torch.tensor([3.0, 4.0])], [torch.tensor([3.0, 2.0])]
+        >>> norms_and_reverts_(olds, news), olds
+        ((tensor([5.]), tensor([2.])), [tensor([0., 2.])])
+    """
+    count = len(olds)
+    w_norms, d_norms = [torch.empty(0)] * count, [torch.empty(0)] * count
+    short = [i for i, t in enumerate(olds) if t.numel() <= _CPU_SHORT]
+    if short:
+        shorts, news = [olds[i] for i in short], [params[i] for i in short]
+        before = compat.foreach_norm(shorts)
+        compat.foreach_sub_(shorts, news)
+        for i, w_norm, d_norm in zip(short, before, compat.foreach_norm(shorts), strict=True):
+            w_norms[i], d_norms[i] = w_norm, d_norm
+    long = [i for i, t in enumerate(olds) if t.numel() > _CPU_SHORT]
+    if long:
+        w_rows: list[Tensor] = []
+        d_rows: list[Tensor] = []
+        counts: list[int] = []
+        for i in long:
+            old, new = olds[i], params[i]
+            first = len(w_rows)
+            if old.is_contiguous() and new.is_contiguous():
+                flat_old, flat_new = old.view(-1), new.view(-1)
+                for start in range(0, flat_old.numel(), _CHUNK):
+                    chunk = flat_old[start : start + _CHUNK]
+                    w_rows.extend(_rows(chunk))
+                    chunk.sub_(flat_new[start : start + _CHUNK])
+                    d_rows.extend(_rows(chunk))
+            else:
+                # Values line up by position only where both are contiguous: whole tensors.
+                w_rows.extend(_rows(old.reshape(-1)))
+                old.sub_(new)
+                d_rows.extend(_rows(old.reshape(-1)))
+            counts.append(sum(rows.numel() for rows in w_rows[first:]))
+        for i, w_norm, d_norm in zip(long, *_whole_norms(w_rows, d_rows, counts), strict=True):
+            w_norms[i], d_norms[i] = w_norm, d_norm
+    return torch.stack(w_norms), torch.stack(d_norms)
+
+
+def _rows(flat: Tensor) -> list[Tensor]:
+    """Float32 norms of ``flat``'s rows of ``_CPU_ROW`` values, then of its tail if any."""
+    whole = flat.numel() // _CPU_ROW * _CPU_ROW
+    rows = [torch.linalg.vector_norm(flat[:whole].view(-1, _CPU_ROW), dim=1)]
+    if whole < flat.numel():
+        rows.append(torch.linalg.vector_norm(flat[whole:]).reshape(1))
+    return rows
+
+
+def _whole_norms(
+    w_rows: list[Tensor], d_rows: list[Tensor], counts: list[int]
+) -> tuple[list[Tensor], list[Tensor]]:
+    """Each tensor's norm from its rows' norms (``counts[i]`` of them), whose squares are
+    summed in float64: one ``index_add_`` for the old values and the differences."""
+    squares = torch.cat(w_rows + d_rows).double().square()
+    owner = torch.repeat_interleave(
+        torch.arange(2 * len(counts)), torch.tensor(counts * 2), output_size=squares.numel()
+    )
+    sums = torch.zeros(2 * len(counts), dtype=torch.float64).index_add_(0, owner, squares)
+    norms = sums.sqrt().float()
+    return list(norms[: len(counts)].unbind(0)), list(norms[len(counts) :].unbind(0))
+
+
 class TrustRatio(StepHook, TrustRatioSettings):
     r"""Rescales the update of any optimizer by a layer-wise trust ratio (LAMB's).
 
@@ -355,14 +455,37 @@ class TrustRatio(StepHook, TrustRatioSettings):
     def _after_step(
         self, optimizer: torch.optim.Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> None:
-        if optimizer not in self._reads_state:
-            super()._after_step(optimizer, args, kwargs)
-            return
-        token = _STEPPING.set(optimizer)
+        token = _STEPPING.set(optimizer) if optimizer in self._reads_state else None
         try:
-            super()._after_step(optimizer, args, kwargs)
+            pending = self._pending.get(optimizer)
+            flat = [] if pending is None else [b for group in pending.bound for b in group]
+            if pending is not None and self._foreach is not False and _in_cache_order(flat):
+                del self._pending[optimizer]
+                self._finish_in_cache_order(pending, flat)
+            else:
+                super()._after_step(optimizer, args, kwargs)
         finally:
-            _STEPPING.reset(token)
+            if token is not None:
+                _STEPPING.reset(token)
+
+    def _finish_in_cache_order(self, pending: _Pending, flat: list[_Bound]) -> None:
+        """The base's post-step, with every unit's norms from :func:`norms_and_reverts_`."""
+        with torch.no_grad():
+            for b in flat:
+                b.norms = norms_and_reverts_(b.sources, b.params)
+            results = []
+            for (settings, lr), of_group in zip(pending.jobs, pending.bound, strict=True):
+                per_unit = []
+                for b in of_group:
+                    values = type(self)._unit_(
+                        b.params, b.sources, settings, lr, norms=b.norms, foreach=self._foreach
+                    )
+                    if values is not None:
+                        per_unit.append((b.positions, values))
+                results.append(_in_order(per_unit) if per_unit else torch.empty(0))
+            self._last_values = results
+        for copies in pending.held:
+            copies.release()
 
     def _check_group(self, group: Mapping[str, Any], settings: TrustRatioSettings) -> str | None:
         _check_bounds(settings, "trust_floor", "trust_clip")
