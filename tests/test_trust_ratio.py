@@ -824,13 +824,12 @@ def test_bad_group_added_later_refused_before_the_closure_and_nothing_changes() 
         assert torch.equal(param.detach(), old)
 
 
-# --- the CPU order: every tensor's norms chunk by chunk ---------------------------------------
+# --- the CPU order: each tensor's norms and difference in turn ---------------------------------
 
-CHUNK = trust_ratio_module._CHUNK
 IN_CACHE_SIZES = {
     "short": [3, 4096],
     "rows-and-tail": [4097, 3 * 1024 + 5],
-    "chunk-boundaries": [CHUNK, CHUNK + 1, 2 * CHUNK + 1024, 2 * CHUNK - 1],
+    "long": [1 << 17, (1 << 18) + 1, 2048],
 }
 
 
@@ -859,7 +858,7 @@ def test_norms_and_reverts_match_float64(sizes: list[int], layout: str) -> None:
 def test_the_cpu_order_gives_the_base_order_ratios() -> None:
     """The same ratios and parameters as the base's post-step (taken with foreach=False)."""
     torch.manual_seed(0)
-    shapes = [(3,), (70, 70), (2 * CHUNK + 7,)]
+    shapes = [(3,), (70, 70), ((1 << 18) + 7,)]
     results = []
     for foreach in (None, False):
         torch.manual_seed(0)

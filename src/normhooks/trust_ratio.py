@@ -211,19 +211,15 @@ def _uncorrected_unit_(
     return ratios
 
 
-# Long CPU tensors are swept in chunks of this many values (whole rows of _CPU_ROW), so that
-# a chunk read for the old weight's norm is still in the core's cache when the difference is
-# taken and its norm read.
-_CHUNK = 128 * _CPU_ROW
-
-
 def _in_cache_order(bound: list[_Bound]) -> bool:
     """Whether :func:`norms_and_reverts_` takes every unit's norms: local float32 CPU tensors
-    in eager code (float64 ones keep float64 norms, the rest the base's order)."""
+    in eager code, the old values contiguous (float64 ones keep float64 norms, the rest the
+    base's order)."""
     return all(
         not b.unit.reduce
         and b.sources[0].is_cpu
         and b.sources[0].dtype == torch.float32
+        and all(old.is_contiguous() for old in b.sources)
         and compat.plain_eager(*b.params, *b.sources)
         for b in bound
     )
@@ -234,8 +230,8 @@ def norms_and_reverts_(olds: list[Tensor], params: list[Tensor]) -> tuple[Tensor
 
     The norms of :func:`~normhooks._step_hook.euclidean_norms` (rows of ``_CPU_ROW`` values
     whose squares are added in float64 for tensors of more than ``_CPU_SHORT`` values, one
-    multi-tensor call for the rest), in another order: each long tensor chunk by chunk, the
-    old values' norm, the difference and its norm while the chunk is in cache, where taking
+    multi-tensor call for the rest), in another order: for each long tensor in turn, the old
+    values' norm, the difference and its norm, while the tensor is in cache, where taking
     each for all tensors in turn reads every tensor from memory three times.
 
     Example:
@@ -258,20 +254,13 @@ def norms_and_reverts_(olds: list[Tensor], params: list[Tensor]) -> tuple[Tensor
         d_rows: list[Tensor] = []
         counts: list[int] = []
         for i in long:
-            old, new = olds[i], params[i]
+            # The old values are a contiguous buffer, the new ones any layout: sub_ lines
+            # them up.
+            flat = olds[i].view(-1)
             first = len(w_rows)
-            if old.is_contiguous() and new.is_contiguous():
-                flat_old, flat_new = old.view(-1), new.view(-1)
-                for start in range(0, flat_old.numel(), _CHUNK):
-                    chunk = flat_old[start : start + _CHUNK]
-                    w_rows.extend(_rows(chunk))
-                    chunk.sub_(flat_new[start : start + _CHUNK])
-                    d_rows.extend(_rows(chunk))
-            else:
-                # Values line up by position only where both are contiguous: whole tensors.
-                w_rows.extend(_rows(old.reshape(-1)))
-                old.sub_(new)
-                d_rows.extend(_rows(old.reshape(-1)))
+            w_rows.extend(_rows(flat))
+            olds[i].sub_(params[i])
+            d_rows.extend(_rows(flat))
             counts.append(sum(rows.numel() for rows in w_rows[first:]))
         for i, w_norm, d_norm in zip(long, *_whole_norms(w_rows, d_rows, counts), strict=True):
             w_norms[i], d_norms[i] = w_norm, d_norm
