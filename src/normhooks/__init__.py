@@ -6,6 +6,12 @@ from normhooks.agc import AdaptiveGradientClipping, agc_, agc_param_groups
 from normhooks.data_dependent_init import data_dependent_init
 from normhooks.gradient_centralization import GradientCentralization, centralize_gradients_
 from normhooks.lars import GradientLARS, lars_, lars_param_groups
+from normhooks.spectral_norm import (
+    SpectralNorm,
+    apply_spectral_norm,
+    remove_spectral_norm,
+    spectral_norm,
+)
 from normhooks.trust_ratio import TrustRatio
 from normhooks.weight_norm import (
     WeightNorm,
@@ -28,11 +34,13 @@ __all__ = [
     "GradientCentralization",
     "GradientLARS",
     "ScaledWeightStandardization",
+    "SpectralNorm",
     "TrustRatio",
     "WeightNorm",
     "WeightStandardization",
     "agc_",
     "agc_param_groups",
+    "apply_spectral_norm",
     "apply_weight_norm",
     "apply_weight_standardization",
     "centralize_gradients_",
@@ -41,9 +49,11 @@ __all__ = [
     "kernels_enabled",
     "lars_",
     "lars_param_groups",
+    "remove_spectral_norm",
     "remove_weight_norm",
     "remove_weight_standardization",
     "set_kernels_enabled",
+    "spectral_norm",
     "standardize_weight",
     "weight_norm",
     "weight_standardization",
