@@ -181,7 +181,9 @@ class SpectralNorm(nn.Module):
         sigma = _sigma(matrix, u, v)
         if self.gamma is None:
             return weight / sigma
-        return weight * (self.gamma / sigma)
+        # Exactly W where gamma is sigma (a conversion) and exactly torch's W / sigma where
+        # gamma is 1 (a takeover of torch's).
+        return weight / (sigma / self.gamma)
 
     def right_inverse(self, weight: Tensor) -> Tensor:
         # As torch's: assigning to the parametrized weight sets the raw weight.
