@@ -7,9 +7,12 @@ from __future__ import annotations
 import copy
 import importlib
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 from torch import nn
 from torch.nn.utils import parametrize
 from torch.nn.utils.parametrizations import spectral_norm as torch_spectral_norm
@@ -253,6 +256,38 @@ def test_conversion_leaves_the_vectors_as_its_warm_up_made_them_in_either_mode()
     assert sn_of(trained).training
     assert not sn_of(evaluated).training
     torch.testing.assert_close(vectors(trained), vectors(evaluated), rtol=0, atol=0)
+
+
+def _ddp_rank(rank: int, world: int, init: str, out: str) -> None:
+    """One rank: rank 1's vectors are made to differ before each forward of a DDP model."""
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    try:
+        torch.manual_seed(0)
+        model = apply_spectral_norm(nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 2)))
+        ddp = nn.parallel.DistributedDataParallel(model)
+        torch.manual_seed(1 + rank)
+        x = torch.randn(5, 4)
+        for _ in range(2):
+            if rank == 1:
+                with torch.no_grad():
+                    for buffer in model.buffers():
+                        buffer.copy_(torch.randn_like(buffer))
+            ddp(x).square().sum().backward()
+        state = {name: buffer.clone() for name, buffer in model.named_buffers()}
+        torch.save(state, Path(out) / f"rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()), reason="needs gloo")
+def test_ddp_ranks_advance_rank_0s_vectors_alike(tmp_path: Path) -> None:
+    """DDP broadcasts buffers from rank 0 at every forward: the ranks' u and v agree."""
+    mp.spawn(_ddp_rank, args=(2, f"file://{tmp_path / 'group'}", str(tmp_path)), nprocs=2)
+    first, second = (torch.load(tmp_path / f"rank{r}.pt") for r in range(2))
+    assert list(first) == list(second)
+    assert len(first) == 4
+    for name, value in first.items():
+        torch.testing.assert_close(second[name], value, rtol=0, atol=0)
 
 
 # --- σReparam -------------------------------------------------------------------------------
