@@ -45,6 +45,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/gradient_centralization.py
 	$(BIN)/python benchmarks/ws.py
 	$(BIN)/python benchmarks/wn.py
+	$(BIN)/python benchmarks/sn.py
 
 demo: $(STAMP)
 	$(BIN)/normhooks demo
