@@ -348,6 +348,16 @@ def test_an_optimizer_without_gamma_is_refused_at_its_second_step() -> None:
         optimizer.step()
 
 
+def test_a_packed_attention_projection_trains_its_gamma() -> None:
+    mha = spectral_norm(nn.MultiheadAttention(8, 2, batch_first=True), "in_proj_weight", scale=True)
+    x = torch.randn(2, 3, 8)
+    mha(x, x, x)[0].square().sum().backward()
+    gamma = sn_of(mha, "in_proj_weight").gamma
+    assert gamma is not None
+    assert gamma.grad is not None
+    assert gamma.grad.abs() > 0
+
+
 # --- taking over torch's spectral norm ------------------------------------------------------
 
 
