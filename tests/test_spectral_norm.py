@@ -13,6 +13,8 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 from torch.nn.utils import parametrize
 from torch.nn.utils.parametrizations import spectral_norm as torch_spectral_norm
@@ -71,6 +73,16 @@ def test_eval_weight_is_the_weight_over_u_m_v(name: str) -> None:
     w = raw(module).detach()
     expected = w / (u @ as_matrix(w, dim) @ v)
     torch.testing.assert_close(module.weight, expected, rtol=1e-12, atol=0)
+
+
+@settings(max_examples=30, deadline=None)
+@given(shape=st.lists(st.integers(1, 4), min_size=2, max_size=4), data=st.data())
+def test_the_formula_holds_for_any_shape_and_dim(shape: list[int], data: st.DataObject) -> None:
+    dim = data.draw(st.integers(-len(shape), len(shape) - 1), label="dim")
+    weight = torch.randn(shape, dtype=F64) + 0.1  # never all zeros
+    sn = SpectralNorm(weight, dim=dim).eval()
+    expected = weight / (sn._u @ as_matrix(weight, dim % len(shape)) @ sn._v)
+    torch.testing.assert_close(sn(weight), expected, rtol=1e-12, atol=0)
 
 
 @pytest.mark.parametrize("iterations", [1, 3], ids=["one-step", "three-steps"])
