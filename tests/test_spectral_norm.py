@@ -536,6 +536,11 @@ def test_removing_what_is_not_there_is_refused() -> None:
         remove_spectral_norm(spectral_norm(nn.Linear(3, 2)), bake=None)  # type: ignore[arg-type]
 
 
+def test_the_parametrization_refuses_a_weight_of_zeros() -> None:
+    with pytest.raises(ValueError, match=r"weight is all zeros: its largest singular value"):
+        SpectralNorm(torch.zeros(2, 3))
+
+
 @pytest.mark.parametrize(
     ("start", "match"),
     [

@@ -155,6 +155,7 @@ class SpectralNorm(nn.Module):
         self.n_power_iterations = _checks.positive_int("n_power_iterations", n_power_iterations)
         self.eps = _checks.positive("eps", eps)
         scale = _checks.boolean("scale", scale)
+        _refuse_zeros("weight", weight)
         matrix = _matrix(weight.detach(), self.dim)
         u, v = _start(weight, self.dim, self.eps) if start is None else start
         _check_vectors(matrix, u, v, self.dim)
@@ -193,6 +194,16 @@ class SpectralNorm(nn.Module):
         scale = ", scale=True" if self.gamma is not None else ""
         return (
             f"dim={self.dim}, n_power_iterations={self.n_power_iterations}, eps={self.eps}{scale}"
+        )
+
+
+def _refuse_zeros(where: str, weight: Tensor) -> None:
+    """Raises for a weight of zeros, whose sigma is 0: torch's gives NaN from then on, since
+    the power iteration's vectors become zero and stay there."""
+    if weight.device.type != "meta" and not bool(weight.detach().any()):
+        raise ValueError(
+            f"{where} is all zeros: its largest singular value is 0, and {_WHAT} would divide "
+            "by it. Initialize the weight first"
         )
 
 
@@ -252,16 +263,8 @@ class _SpectralNormalization(_parametrize.Technique[int]):
         return {"gamma": ("parametrization", "gamma")} if self.scale else {}
 
     def refuse(self, module: nn.Module, name: str, layout: int | None) -> None:
-        """Raises for a weight of zeros, whose sigma is 0: torch's gives NaN from then on,
-        since the power iteration's vectors become zero and stay there."""
-        if layout is None:
-            return
-        weight = getattr(module, name)
-        if weight.device.type != "meta" and not bool(weight.detach().any()):
-            raise ValueError(
-                f"{describe(module, name)} is all zeros: its largest singular value is 0, "
-                f"and {_WHAT} would divide by it. Initialize the weight first"
-            )
+        if layout is not None:  # checked before anything changes, not only when built
+            _refuse_zeros(describe(module, name), getattr(module, name))
 
     def torch_counterpart(self, module: nn.Module, name: str) -> Any:
         for found in _parametrize.parametrizations_of(module, name):
