@@ -729,6 +729,11 @@ class Technique(ABC, Generic[L]):
             "(layer_types selects subclasses too: name only the classes to convert)"
         )
 
+    def torch_counterpart(self, module: nn.Module, name: str) -> Any:
+        """What of torch's own on ``module.<name>`` :meth:`take_over` is handed, or None: torch's
+        weight norm (:func:`torch_weight_norm`), unless a technique looks for its own."""
+        return torch_weight_norm(module, name)
+
     def take_over(self, module: nn.Module, name: str, found: Any, strict: bool) -> Step | None:
         """The step that replaces torch's weight norm ``found`` on ``module.<name>``, or None to
         treat it as any other parametrization. ``strict``: the settings were given for this
@@ -775,7 +780,7 @@ def _plan(technique: Technique[L], module: nn.Module, name: str, *, strict: bool
             f"{where} is a {own}, whose forward standardizes whatever weight it is given: "
             + refusal
         )
-    found = torch_weight_norm(module, name)
+    found = technique.torch_counterpart(module, name)
     if found is not None:
         step = technique.take_over(module, name, found, strict)
         if step is not None:
