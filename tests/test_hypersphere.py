@@ -15,7 +15,7 @@ from torch import Tensor, nn
 
 from helpers import assert_close_rel
 from hook_kinds import on_sphere
-from normhooks import Hypersphere, UpdateRMS
+from normhooks import Hypersphere, TrustRatio, UpdateRMS
 
 OPTIMIZERS: dict[str, Callable[[Any], torch.optim.Optimizer]] = {
     "sgd-momentum": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),
@@ -236,6 +236,49 @@ def test_after_update_rms_attached_first_the_rescaled_step_is_normalized() -> No
     torch.testing.assert_close(param.detach(), expected, rtol=1e-14, atol=0)
 
 
+@pytest.mark.parametrize(
+    "later",
+    [lambda: UpdateRMS("match"), lambda: TrustRatio()],
+    ids=["update-rms", "trust-ratio"],
+)
+def test_a_hook_on_the_updates_attached_after_it_is_refused_at_the_step(
+    later: Callable[[], Any],
+) -> None:
+    """Attached after the sphere, a hook on the updates would rescale the step onto the
+    normalized weights and take them off the sphere: the step is refused before anything
+    changes, the closure unrun."""
+    weight = 2 * torch.randn(6, 5, dtype=torch.float64)
+    param = nn.Parameter(weight.clone())
+    param.grad = torch.randn_like(weight)
+    optimizer = torch.optim.AdamW([param], lr=0.1)
+    Hypersphere().attach(optimizer)
+    hook = later()
+    hook.attach(optimizer)
+    calls = []
+    name = type(hook).__name__
+    with pytest.raises(RuntimeError, match=rf"{name} was attached to this AdamW after Hypersphere"):
+        optimizer.step(lambda: calls.append(1))
+    assert not calls
+    assert torch.equal(param.detach(), weight)
+    assert not optimizer.state
+
+
+def test_attached_again_after_the_hook_on_the_updates_it_normalizes_the_rescaled_step() -> None:
+    weight = 2 * torch.randn(6, 5, dtype=torch.float64)
+    grad = torch.randn(6, 5, dtype=torch.float64)
+    param = nn.Parameter(weight.clone())
+    param.grad = grad.clone()
+    optimizer = torch.optim.SGD([param], lr=0.1)
+    first = Hypersphere().attach(optimizer)
+    UpdateRMS("match", 0.2).attach(optimizer)
+    first.remove()
+    Hypersphere().attach(optimizer)
+    optimizer.step()
+    r = 0.2 / (grad.norm().item() / math.sqrt(grad.numel()))
+    expected = on_sphere(weight - 0.1 * r * grad)
+    torch.testing.assert_close(param.detach(), expected, rtol=1e-14, atol=0)
+
+
 # --- AMP -----------------------------------------------------------------------------------
 
 
@@ -334,8 +377,9 @@ def test_the_state_dict_is_the_optimizers_own() -> None:
     [
         ({"dim": 2}, ValueError, r"dim must be 1 \(each row along dim 0 has unit norm\) or 0"),
         ({"dim": -1}, ValueError, r"got dim=-1"),
-        ({"dim": True}, ValueError, r"got dim=True"),
-        ({"dim": "rows"}, ValueError, r"got dim='rows'"),
+        ({"dim": True}, TypeError, r"dim must be an int, 1 \(each row .* got dim=True"),
+        ({"dim": "rows"}, TypeError, r"dim must be an int, .* got dim='rows'"),
+        ({"dim": 1.0}, TypeError, r"dim must be an int, .* got dim=1.0"),
         ({"eps": 0.0}, ValueError, r"eps must be positive, got eps=0.0"),
         ({"eps": -1e-12}, ValueError, r"eps must be positive"),
         ({"eps": "small"}, TypeError, r"eps must be a real number, got eps='small'"),
@@ -346,6 +390,7 @@ def test_the_state_dict_is_the_optimizers_own() -> None:
         "dim-negative",
         "dim-bool",
         "dim-str",
+        "dim-float",
         "eps-0",
         "eps-negative",
         "eps-str",
@@ -364,8 +409,9 @@ def test_constructor_errors(kwargs: dict[str, Any], error: type[Exception], matc
         ({"sphere_eps": 0}, r"param group 0: sphere_eps must be positive, got sphere_eps=0"),
         ({"sphere_axis": 0}, r"param group 0: unknown key 'sphere_axis'"),
         ({"sphere": 1}, r'param group 0: "sphere" must be a bool'),
+        ({"sphere_dim": 0.0}, r"param group 0: sphere_dim must be an int, .* got sphere_dim=0.0"),
     ],
-    ids=["dim", "eps", "unknown-key", "opt-out-not-bool"],
+    ids=["dim", "eps", "unknown-key", "opt-out-not-bool", "dim-float"],
 )
 def test_bad_groups_are_refused_at_attach_and_nothing_changes(
     group: dict[str, Any], match: str
