@@ -15,7 +15,14 @@ from torch import Tensor, nn
 
 from helpers import assert_close_rel
 from hook_kinds import on_sphere
-from normhooks import Hypersphere, TrustRatio, UpdateRMS
+from normhooks import (
+    AdaptiveGradientClipping,
+    GradientCentralization,
+    GradientLARS,
+    Hypersphere,
+    TrustRatio,
+    UpdateRMS,
+)
 
 OPTIMIZERS: dict[str, Callable[[Any], torch.optim.Optimizer]] = {
     "sgd-momentum": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),
@@ -317,6 +324,45 @@ def test_a_step_grad_scaler_takes_is_normalized(fused: bool) -> None:
     for param, plain in zip(net.parameters(), stepped, strict=True):
         expected = on_sphere(plain)
         assert_close_rel(param.detach().double(), expected, 1e-6)
+
+
+def _unscale_first(scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer) -> None:
+    scaler.unscale_(optimizer)  # as before torch.nn.utils.clip_grad_norm_
+
+
+def _beside(hook: type) -> Callable[[torch.amp.GradScaler, torch.optim.Optimizer], None]:
+    return lambda _, optimizer: hook().attach(optimizer)
+
+
+SKIPPING = {
+    "unscale_-first": _unscale_first,
+    "beside-agc": _beside(AdaptiveGradientClipping),
+    "beside-lars": _beside(GradientLARS),
+    "beside-gc": _beside(GradientCentralization),
+}
+
+
+@pytest.mark.parametrize("before_step", list(SKIPPING.values()), ids=list(SKIPPING))
+def test_a_fused_step_grad_scaler_skips_with_unscaled_gradients_leaves_every_weight_untouched(
+    before_step: Callable[[torch.amp.GradScaler, torch.optim.Optimizer], None],
+) -> None:
+    """After scaler.unscale_ or a hook on the gradients, the fused step sees grad_scale None
+    but still skips on found_inf: the weights (far from the sphere) stay as they were."""
+    net = model(torch.float32)
+    with torch.no_grad():
+        for param in net.parameters():
+            param.mul_(3.0)
+    optimizer = torch.optim.AdamW(net.parameters(), lr=1e-2, fused=True)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    before = [p.detach().clone() for p in net.parameters()]
+    scaler.scale(loss_of(net, 0)).backward()
+    net["linear"].weight.grad[0, 0] = math.inf  # type: ignore[index]
+    before_step(scaler, optimizer)
+    Hypersphere().attach(optimizer)
+    scaler.step(optimizer)
+    scaler.update()
+    for param, old in zip(net.parameters(), before, strict=True):
+        assert torch.equal(param.detach(), old)
 
 
 # --- precision and cost --------------------------------------------------------------------

@@ -150,8 +150,9 @@ class Hypersphere(StepHook, HypersphereSettings):
 
     A step :class:`torch.amp.GradScaler` skips leaves the weights untouched: a non-fused
     optimizer's step does not run at all, and after a fused one the divisor is 1 wherever
-    ``found_inf`` is set (no value is read back to the host). Parameters without a gradient
-    were not stepped and are left alone. The hook needs no copy of the parameters: it reads
+    ``found_inf`` is set (no value is read back to the host), ``GradScaler.unscale_`` before
+    the step or a hook on the gradients on the same optimizer included. Parameters without a
+    gradient were not stepped and are left alone. The hook needs no copy of the parameters: it reads
     them only after the step. Param groups can opt out (``"sphere": False``) or override
     ``dim`` and ``eps`` with ``"sphere_dim"`` and ``"sphere_eps"``. FSDP2 (``fully_shard``,
     ``Shard(0)``): rows are whole on each rank, so ``dim=1`` needs no communication; for
@@ -220,8 +221,9 @@ class Hypersphere(StepHook, HypersphereSettings):
         pending = self._pending.pop(optimizer, None)
         if pending is None:
             return
-        scaling = compat.fused_grad_scaling(optimizer)
-        skip = None if scaling is None else scaling.found_inf
+        # Not fused_grad_scaling: its grad_scale is None after GradScaler.unscale_ and after a
+        # hook on the gradients has unscaled them, where the step still skips on found_inf.
+        skip = compat.fused_found_inf(optimizer)
         with torch.no_grad():
             work = []
             for (settings, _), of_group in zip(pending.jobs, pending.bound, strict=True):
