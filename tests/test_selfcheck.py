@@ -322,6 +322,15 @@ def test_json_into_a_missing_directory_is_refused_before_the_check(
     assert captured.out == ""
 
 
+@pytest.mark.parametrize("path", ["", "."], ids=["empty", "a-directory"])
+def test_json_path_that_names_no_file_is_refused_before_the_check(
+    path: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(ValueError, match=re.escape(f"must name a file, got json_path='{path}'")):
+        _selfcheck.run(path)
+    assert capsys.readouterr().out == ""
+
+
 def test_device_must_be_none_or_routed() -> None:
     with pytest.raises(ValueError, match="device must be None or 'cpu-routed', got device='cuda'"):
         _selfcheck.run(device="cuda")
