@@ -270,6 +270,25 @@ def test_a_hook_on_the_updates_attached_after_it_is_refused_at_the_step(
     assert not optimizer.state
 
 
+def test_a_hook_on_the_updates_after_it_on_other_groups_is_allowed() -> None:
+    """The update hook opts out of the matrices, the sphere out of the rest: nothing the one
+    rescales does the other normalize, so the order does not matter."""
+    weight = 2 * torch.randn(6, 5, dtype=torch.float64)
+    grad = torch.randn(6, 5, dtype=torch.float64)
+    matrix = nn.Parameter(weight.clone())
+    bias = nn.Parameter(torch.ones(5, dtype=torch.float64))
+    matrix.grad, bias.grad = grad.clone(), torch.ones(5, dtype=torch.float64)
+    groups = [{"params": [matrix], "update": False}, {"params": [bias], "sphere": False}]
+    optimizer = torch.optim.SGD(groups, lr=0.1)
+    Hypersphere().attach(optimizer)
+    UpdateRMS("match", 0.2).attach(optimizer)
+    optimizer.step()
+    torch.testing.assert_close(matrix.detach(), on_sphere(weight - 0.1 * grad))
+    # The bias's update has RMS 1 per unit of lr: matched to 0.2.
+    expected = torch.full((5,), 1 - 0.1 * 0.2, dtype=torch.float64)
+    torch.testing.assert_close(bias.detach(), expected)
+
+
 def test_attached_again_after_the_hook_on_the_updates_it_normalizes_the_rescaled_step() -> None:
     weight = 2 * torch.randn(6, 5, dtype=torch.float64)
     grad = torch.randn(6, 5, dtype=torch.float64)

@@ -241,7 +241,8 @@ class Hypersphere(StepHook, HypersphereSettings):
 
 
 def _refuse_update_hooks_after(sphere: Hypersphere, optimizer: torch.optim.Optimizer) -> None:
-    """Raises if a hook on the updates was attached to ``optimizer`` after ``sphere``.
+    """Raises if a hook on the updates was attached to ``optimizer`` after ``sphere`` and
+    rescales the update of a weight that ``sphere`` normalizes.
 
     Post-step hooks run in the order they were attached, and each StepHook registers its
     pre- and post-step together, so the order of the pre-steps is that of the post-steps. A
@@ -252,7 +253,7 @@ def _refuse_update_hooks_after(sphere: Hypersphere, optimizer: torch.optim.Optim
     for _, hook in _hooks_on(optimizer):
         if hook is sphere:
             attached = True
-        elif attached and hook.rewrites == "updates":
+        elif attached and hook.rewrites == "updates" and _share_a_matrix(sphere, hook, optimizer):
             name = type(hook).__name__
             raise RuntimeError(
                 f"{name} was attached to this {type(optimizer).__name__} after Hypersphere; "
@@ -261,6 +262,17 @@ def _refuse_update_hooks_after(sphere: Hypersphere, optimizer: torch.optim.Optim
                 f"it. Remove Hypersphere with its handle's remove() and attach it again, after "
                 f"{name}"
             )
+
+
+def _share_a_matrix(sphere: StepHook, other: StepHook, optimizer: torch.optim.Optimizer) -> bool:
+    """Whether a param group that neither hook opts out of holds a tensor of two or more
+    dimensions (the opt-out flags are checked as bools when each hook plans the group)."""
+    return any(
+        group.get(sphere.prefix, True) is not False
+        and group.get(other.prefix, True) is not False
+        and any(param.ndim >= 2 for param in group["params"])
+        for group in optimizer.param_groups
+    )
 
 
 def _sum_over_shards_(
