@@ -161,8 +161,8 @@ class Hypersphere(StepHook, HypersphereSettings):
     Hypersphere per optimizer; with a hook on the updates (:class:`~normhooks.TrustRatio`,
     :class:`~normhooks.UpdateRMS`) on the same optimizer, attach Hypersphere last: post-step
     hooks run in the order they were attached, and a step with a hook on the updates attached
-    after Hypersphere is refused (RuntimeError, before anything changes), since that hook
-    would take the weights off the sphere again.
+    after Hypersphere on a group of the same matrices is refused (RuntimeError, before
+    anything changes), since that hook would take the weights off the sphere again.
 
     Args:
         dim: 1 to normalize each row, 0 each column.
