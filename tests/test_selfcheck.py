@@ -322,11 +322,13 @@ def test_json_into_a_missing_directory_is_refused_before_the_check(
     assert captured.out == ""
 
 
-@pytest.mark.parametrize("path", ["", "."], ids=["empty", "a-directory"])
+@pytest.mark.parametrize(
+    "path", ["", ".", "no-such-directory/check.json"], ids=["empty", "a-directory", "no-parent"]
+)
 def test_json_path_that_names_no_file_is_refused_before_the_check(
     path: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    with pytest.raises(ValueError, match=re.escape(f"must name a file, got json_path='{path}'")):
+    with pytest.raises(ValueError, match=re.escape(f"that exists, got json_path='{path}'")):
         _selfcheck.run(path)
     assert capsys.readouterr().out == ""
 

@@ -495,9 +495,15 @@ def run(
     """
     if device not in (None, ROUTED):
         raise ValueError(f"device must be None or {ROUTED!r}, got device={device!r}")
-    if json_path is not None and (not json_path or os.path.isdir(json_path)):
+    if json_path is not None and (
+        not json_path
+        or os.path.isdir(json_path)
+        or not os.path.isdir(os.path.dirname(os.path.abspath(json_path)))
+    ):
         # Said before the check runs, not when the report is written after it.
-        raise ValueError(f"json_path must name a file, got json_path={json_path!r}")
+        raise ValueError(
+            f"json_path must name a file in a directory that exists, got json_path={json_path!r}"
+        )
     routed = device == ROUTED
     report: list[str] = []
 
