@@ -291,6 +291,18 @@ def fused_grad_scaling(optimizer: torch.optim.Optimizer) -> FusedGradScaling | N
     return FusedGradScaling(optimizer, scale, flag if isinstance(flag, Tensor) else None)
 
 
+def fused_found_inf(optimizer: torch.optim.Optimizer) -> Tensor | None:
+    """The overflow flag ``GradScaler.step`` hands a fused optimizer's step, or None.
+
+    Set with ``grad_scale`` (:class:`FusedGradScaling`) and kept where ``grad_scale`` is None:
+    after ``GradScaler.unscale_``, and after a hook on the gradients has unscaled them itself
+    (:meth:`FusedGradScaling.mark_unscaled`). The step it skips leaves the parameters as they
+    were (GradScaler's private protocol, 2.11, 2.13).
+    """
+    flag = getattr(optimizer, "found_inf", None)
+    return flag if isinstance(flag, Tensor) else None
+
+
 def step_runs_hooks(optimizer: torch.optim.Optimizer) -> bool:
     """Whether ``optimizer.step`` runs the step hooks registered on it (2.11, 2.13).
 
