@@ -69,6 +69,7 @@ from normhooks._step_hook.checks import (
 )
 from normhooks._step_hook.closure import _SingleUseClosure as _SingleUseClosure
 from normhooks._step_hook.closure import _take_closure as _take_closure
+from normhooks._step_hook.copies import _Copies as _Copies
 from normhooks._step_hook.hook import StepHook
 from normhooks._step_hook.norms import _CPU_ROW as _CPU_ROW
 from normhooks._step_hook.norms import _CPU_SHORT as _CPU_SHORT
@@ -79,7 +80,6 @@ from normhooks._step_hook.settings import Lr, S, S_contra, Settings, UnitFunctio
 from normhooks._step_hook.units import _Bound as _Bound
 from normhooks._step_hook.units import _Unit as _Unit
 from normhooks._step_hook.units import sum_over_shards
-from normhooks._step_hook.updates import _Copies as _Copies
 
 __all__ = [
     "Lr",

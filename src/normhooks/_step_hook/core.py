@@ -8,19 +8,13 @@ hook's copies and post-step), :class:`~normhooks._step_hook.run.Running` (the pr
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, ClassVar, Literal, cast
+from typing import Any, ClassVar, Literal, cast
 
-import torch
 from torch import Tensor
 
 from normhooks._step_hook.checks import check_foreach
 from normhooks._step_hook.settings import Settings, UnitFunction
-
-if TYPE_CHECKING:
-    from normhooks._step_hook.plan import _GroupPlan
-    from normhooks._step_hook.updates import _UpdateInFlight
 
 
 class HookCore:
@@ -49,15 +43,6 @@ class HookCore:
             object.__setattr__(self, name, value)
         self._foreach = check_foreach(foreach)
         self._last_values: list[Tensor] = []
-        self._warned: weakref.WeakKeyDictionary[torch.optim.Optimizer, set[int]] = (
-            weakref.WeakKeyDictionary()
-        )
-        self._plans: weakref.WeakKeyDictionary[torch.optim.Optimizer, list[_GroupPlan]] = (
-            weakref.WeakKeyDictionary()
-        )
-        self._pending: weakref.WeakKeyDictionary[torch.optim.Optimizer, _UpdateInFlight] = (
-            weakref.WeakKeyDictionary()
-        )
 
     def _check_group(self, group: Mapping[str, Any], settings: Any) -> str | None:
         """Raises for a param group the technique cannot serve; returns a warning or None.

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import operator
 import warnings
+import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -81,6 +82,16 @@ def _namer(group_index: int) -> Callable[[int], str]:
 
 class Planning(HookCore):
     """The hook's planning: each optimizer's group plans, checked again where they changed."""
+
+    def __init__(self, *, foreach: bool | None = None, **settings: object) -> None:
+        super().__init__(foreach=foreach, **settings)
+        self._plans: weakref.WeakKeyDictionary[torch.optim.Optimizer, list[_GroupPlan]] = (
+            weakref.WeakKeyDictionary()
+        )
+        # The param groups warned about, per optimizer: each warning is given once.
+        self._warned: weakref.WeakKeyDictionary[torch.optim.Optimizer, set[int]] = (
+            weakref.WeakKeyDictionary()
+        )
 
     def _plan(self, optimizer: torch.optim.Optimizer) -> list[_GroupPlan]:
         """Every param group as planned, after checking what changed since the last plan.

@@ -9,17 +9,15 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from normhooks import _torch_compat as compat
 from normhooks._step_hook.checks import check_dense_grad, check_grad_placements
+from normhooks._step_hook.copies import _Copies
 from normhooks._step_hook.norms import euclidean_norms
-
-if TYPE_CHECKING:
-    from normhooks._step_hook.updates import _Copies
 
 _Reduce = tuple[Any, tuple[int, ...]]
 
