@@ -8,6 +8,7 @@ the tests (tests/spectral_norm.py) is the kind with state.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import io
@@ -26,6 +27,7 @@ from normhooks import (
     ScaledWeightStandardization,
     WeightNorm,
     WeightStandardization,
+    _kernels,
     apply_weight_norm,
     apply_weight_standardization,
     remove_weight_norm,
@@ -241,6 +243,83 @@ def test_a_pending_lazy_model_saves_and_loads_like_the_lazy_model(kind: Kind) ->
     pending.load_state_dict(plain.state_dict())  # materializes the weights
     torch.testing.assert_close(pending(x), expected(x))  # converts them
     assert list(pending.state_dict()) == list(expected.state_dict())
+
+
+def trained_checkpoint(kind: Kind, x: torch.Tensor) -> tuple[nn.Module, io.BytesIO]:
+    """A converted lazy model trained two steps (so that WN's g is no longer ``||v||`` and
+    Scaled WS's gain no longer 1), and its state dict saved with ``torch.save``."""
+    saved = kind.apply(lazy_cnn())
+    optimizer = torch.optim.SGD(saved.parameters(), lr=0.1)
+    for _ in range(2):
+        optimizer.zero_grad()
+        saved(x).square().mean().backward()
+        optimizer.step()
+    buffer = io.BytesIO()
+    torch.save(saved.state_dict(), buffer)
+    buffer.seek(0)
+    return saved, buffer
+
+
+@pytest.mark.parametrize("routed", [False, True], ids=["eager", "routed"])
+def test_a_pending_lazy_model_resumes_from_a_checkpoint_of_the_converted_model(
+    kind: Kind, routed: bool
+) -> None:
+    """Rebuilt, converted and loaded before its first forward, as torch's lazy modules load;
+    on the plain path and on the kernels' (CPU tensors routed to them)."""
+    x = torch.randn(2, 3, 6, 6)
+    saved, checkpoint = trained_checkpoint(kind, x)
+    resumed = kind.apply(lazy_cnn())
+    resumed.load_state_dict(torch.load(checkpoint))
+    with _kernels.route_cpu_tensors() if routed else contextlib.nullcontext():
+        torch.testing.assert_close(
+            comparable(kind, resumed)(x), comparable(kind, saved)(x), rtol=0, atol=0
+        )
+    expected, found = saved.state_dict(), resumed.state_dict()
+    assert list(found) == list(expected)
+    for key, value in expected.items():
+        torch.testing.assert_close(found[key], value, rtol=0, atol=0)
+
+
+def test_an_optimizer_built_before_resuming_a_pending_model_holds_its_parameters(
+    kind: Kind,
+) -> None:
+    x = torch.randn(2, 3, 6, 6)
+    _, checkpoint = trained_checkpoint(kind, x)
+    resumed = kind.apply(lazy_cnn())
+    optimizer = torch.optim.SGD(resumed.parameters(), lr=0.1)
+    resumed.load_state_dict(torch.load(checkpoint))
+    resumed(x).square().mean().backward()
+    optimizer.step()
+    held = {id(p) for p in optimizer.param_groups[0]["params"]}
+    assert all(id(p) in held for p in resumed.parameters())
+
+
+@pytest.mark.parametrize(
+    ("saved_as", "pending_as"),
+    [("wn", "ws"), ("scaled-ws", "wn")],
+    ids=["wn-into-ws", "ws-into-wn"],
+)
+def test_a_checkpoint_of_another_technique_is_refused_at_loading(
+    saved_as: str, pending_as: str
+) -> None:
+    x = torch.randn(2, 3, 6, 6)
+    _, checkpoint = trained_checkpoint(KINDS[saved_as], x)
+    pending = KINDS[pending_as].apply(lazy_cnn())
+    with pytest.raises(ValueError, match="was saved from a model converted otherwise"):
+        pending.load_state_dict(torch.load(checkpoint))
+
+
+def test_a_checkpoint_with_other_settings_is_refused_at_the_first_forward() -> None:
+    """Scaled WS's checkpoint holds a gain that plain WS does not make: the conversion is undone
+    and stays pending, so every forward raises until the model is converted as it was saved."""
+    x = torch.randn(2, 3, 6, 6)
+    _, checkpoint = trained_checkpoint(KINDS["scaled-ws"], x)
+    pending = KINDS["ws"].apply(lazy_cnn())
+    pending.load_state_dict(torch.load(checkpoint))
+    for _ in range(2):
+        with pytest.raises(ValueError, match=r"(?s)does not fit its weight.*0\.gain"):
+            pending(x)
+    assert not parametrized_layers(pending)
 
 
 def test_a_deep_copy_of_a_pending_model_trains_its_own_parameters(kind: Kind) -> None:

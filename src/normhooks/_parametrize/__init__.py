@@ -62,6 +62,7 @@ from normhooks._parametrize.lazy import _defer as _defer
 from normhooks._parametrize.lazy import _Deferred as _Deferred
 from normhooks._parametrize.lazy import _deferred_hooks as _deferred_hooks
 from normhooks._parametrize.lazy import _holder as _holder
+from normhooks._parametrize.lazy import _LoadBeforeFirstForward as _LoadBeforeFirstForward
 from normhooks._parametrize.lazy import _Pending as _Pending
 from normhooks._parametrize.lazy import cancel_pending, pending, pending_markers
 from normhooks._parametrize.lifecycle import _carries as _carries
@@ -106,8 +107,9 @@ from normhooks._parametrize.takeover import _legacy_hooks as _legacy_hooks
 # The name the conversion step had before the split, for code written against it.
 _plan = _conversion_step
 
-# The pickle of a pending lazy model names these two classes by this module's path.
-_Pending.__module__ = _Deferred.__module__ = __name__
+# The pickle of a pending lazy model names these classes by this module's path, the one they
+# had before the package split.
+_Deferred.__module__ = _Pending.__module__ = _LoadBeforeFirstForward.__module__ = __name__
 
 __all__ = [
     "Companions",

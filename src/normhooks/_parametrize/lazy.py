@@ -9,14 +9,14 @@ pickled with a pending model: their module path stays ``normhooks._parametrize``
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
-from torch import nn
+from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
 from normhooks import _torch_compat
 from normhooks._parametrize import optimizer_watch as _optimizer_watch
-from normhooks._parametrize.layers import describe, is_uninitialized
+from normhooks._parametrize.layers import describe, is_uninitialized, originals
 from normhooks._parametrize.registration import Companions, Undo
 from normhooks._torch_compat import own_parameters
 
@@ -31,11 +31,17 @@ class Deferrable(Protocol):
     @property
     def label(self) -> str: ...
 
+    @property
+    def what(self) -> str: ...
+
+    @property
+    def baked_into(self) -> str: ...
+
     def companions(self) -> dict[str, tuple[str, str]]: ...
 
     def register_materialized(
         self, module: nn.Module, name: str, companions: Companions
-    ) -> None: ...
+    ) -> Undo: ...
 
 
 # The child module of a lazy layer that holds, until its first forward, the Parameters that
@@ -66,6 +72,12 @@ class _Deferred:
     reparametrization.
     """
 
+    # What a checkpoint loaded before the first forward holds for the registration (the
+    # state dict of ``parametrizations.<name>``), and whether it was loaded strictly; a class
+    # attribute, so that the hooks of models pickled before it existed have it too.
+    loaded: tuple[dict[str, Tensor], bool] | None = None
+    load_handle: RemovableHandle | None = None
+
     def __init__(self, technique: Deferrable, name: str) -> None:
         self.technique = technique
         self.name = name
@@ -89,13 +101,31 @@ class _Deferred:
                     f"its pending {self.marker} registration needs"
                 )
             found[role] = param
-        self.technique.register_materialized(module, self.name, found)
+        undo = self.technique.register_materialized(module, self.name, found)
+        if self.loaded is not None:
+            self._load_(module, undo, *self.loaded)
         self.cancel(module)
+
+    def _load_(self, module: nn.Module, undo: Undo, state: dict[str, Tensor], strict: bool) -> None:
+        """Loads the checkpoint kept at ``load_state_dict`` into the registration just made."""
+        try:
+            originals(module, self.name).load_state_dict(state, strict=strict)
+        except RuntimeError as error:
+            undo()
+            raise ValueError(
+                f"{describe(module, self.name)}: the checkpoint loaded into this pending model "
+                f"before its first forward does not fit its {self.technique.what} ({error}). "
+                "Convert the model as the checkpoint's model was converted (the same technique "
+                "and settings) before loading it"
+            ) from None
+        self.loaded = None
 
     def cancel(self, module: nn.Module) -> None:
         """Removes this hook and the placeholders it would have handed on."""
         if self.handle is not None:
             self.handle.remove()
+        if self.load_handle is not None:
+            self.load_handle.remove()
         holder = _holder(module)
         if holder is None:
             return
@@ -133,6 +163,9 @@ def _defer(technique: Deferrable, module: nn.Module, name: str) -> Undo:
         made.append(placeholder)
     hook = _Deferred(technique, name)
     hook.handle = module.register_forward_pre_hook(hook)
+    # torch's stubs leave register_load_state_dict_pre_hook untyped (2.13).
+    loads: Any = module.register_load_state_dict_pre_hook
+    hook.load_handle = loads(_LoadBeforeFirstForward(name))
     forget = _optimizer_watch.watch(module, name, technique.label, [lazy], made)
 
     def undo() -> None:
@@ -169,3 +202,55 @@ def cancel_pending(module: nn.Module, name: str, marker: str) -> bool:
             hook.cancel(module)
             return True
     return False
+
+
+class _LoadBeforeFirstForward:
+    """Load-state-dict pre-hook of a pending layer: takes a checkpoint of the converted model.
+
+    torch's lazy modules load a checkpoint before their first forward, materializing their
+    weights to its shapes; a pending conversion does the same with a checkpoint saved after
+    it, whose ``parametrizations.<name>.*`` keys the pending layer does not have yet. The
+    original that the layer's weight Parameter becomes (``technique.baked_into``: v for WN,
+    the raw weight for WS) is loaded into that weight, materialized to its shape; the whole
+    ``parametrizations.<name>`` state (WN's g, Scaled WS's gain, any state a parametrization
+    keeps) is kept by the pending registration, which loads it into what it registers at the
+    first forward. The outputs are then those of the saved model.
+    """
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __call__(
+        self,
+        module: nn.Module,
+        state_dict: dict[str, Any],
+        prefix: str,
+        local_metadata: dict[str, Any],
+        strict: bool,
+        *args: Any,
+    ) -> None:
+        waiting = [hook for hook in _deferred_hooks(module) if hook.name == self.name]
+        head = f"{prefix}parametrizations.{self.name}."
+        keys = [key for key in state_dict if key.startswith(head)]
+        if not waiting or not keys:
+            return
+        # Registrations stacked on one tensor run innermost first: the last one to run loads
+        # the state of them all.
+        hook = waiting[-1]
+        inner = waiting[0].technique
+        source = state_dict.get(head + inner.baked_into)
+        where = describe(module, self.name)
+        if not isinstance(source, Tensor):
+            found = ", ".join(key[len(prefix) :] for key in keys)
+            raise ValueError(
+                f"{where} waits for its first forward to get {inner.what}, which keeps the "
+                f"weight in parametrizations.{self.name}.{inner.baked_into}; the checkpoint "
+                f"holds {found} instead: it was saved from a model converted otherwise. "
+                "Convert the model as the checkpoint's model was converted before loading it"
+            )
+        weight = own_parameters(module).get(self.name)
+        if weight is not None and is_uninitialized(weight):
+            cast(nn.UninitializedParameter, weight).materialize(source.shape)
+        state = {key[len(head) :]: state_dict.pop(key).detach().clone() for key in keys}
+        hook.loaded = (state, strict)
+        state_dict[prefix + self.name] = source

@@ -114,10 +114,11 @@ class Technique(ABC, Generic[L]):
             isinstance(p, self.parametrization) for p in parametrizations_of(module, name)
         )
 
-    def register_materialized(self, module: nn.Module, name: str, companions: Companions) -> None:
+    def register_materialized(self, module: nn.Module, name: str, companions: Companions) -> Undo:
         """Converts a lazy layer's ``module.<name>`` at its first forward, now that it exists;
-        ``companions`` are the placeholders made at conversion, by role."""
-        _register_materialized(self, module, name, companions)
+        ``companions`` are the placeholders made at conversion, by role. Returns what undoes
+        it."""
+        return _register_materialized(self, module, name, companions)
 
 
 # --- registering one checked tensor -------------------------------------------------------
@@ -164,10 +165,10 @@ def _register(
 
 def _register_materialized(
     technique: Technique[Any], module: nn.Module, name: str, companions: Companions
-) -> None:
+) -> Undo:
     """Converts a lazy layer's ``module.<name>`` at its first forward, now that it exists."""
     weight = checked_tensor(module, name, technique.what)
     check_ndim(describe(module, name), weight.ndim, technique.what)
     layout = technique.layout(module, name, weight.ndim)
     technique.refuse(module, name, layout)
-    _register(technique, module, name, layout, companions)
+    return _register(technique, module, name, layout, companions)
