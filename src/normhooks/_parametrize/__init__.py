@@ -104,9 +104,6 @@ from normhooks._parametrize.takeover import (
 )
 from normhooks._parametrize.takeover import _legacy_hooks as _legacy_hooks
 
-# The name the conversion step had before the split, for code written against it.
-_plan = _conversion_step
-
 # The pickle of a pending lazy model names these classes by this module's path, the one they
 # had before the package split.
 _Deferred.__module__ = _Pending.__module__ = _LoadBeforeFirstForward.__module__ = __name__

@@ -5,7 +5,7 @@ a gain; an optimizer built before the conversion holds neither, and they would n
 Refusing every conversion of a model whose parameters some optimizer might hold would refuse
 the correct uses too (build the model, convert it, then build the optimizer), so the check is
 made where the mistake shows: a global optimizer step pre-hook, installed by the first
-conversion that adds a Parameter, looks at each optimizer once per layout of its param groups
+conversion that adds a Parameter, looks at each optimizer once per shape of its param groups
 (and again after each conversion) for a Parameter that a conversion replaced or added to,
 without the Parameters it added.
 
@@ -68,7 +68,7 @@ _by_added: dict[int, list[_Conversion]] = {}
 # Bumped by every conversion recorded, so that every optimizer is looked at again (one that
 # was right stays right when a conversion is forgotten).
 _generation = 0
-# Per optimizer: the (generation, layout) it was last found right at.
+# Per optimizer: the (generation, number of groups, their lengths) it was last found right at.
 _checked: weakref.WeakKeyDictionary[torch.optim.Optimizer, tuple[int, ...]] = (
     weakref.WeakKeyDictionary()
 )
@@ -174,7 +174,7 @@ def _forget(conversion: _Conversion) -> None:
                 index.pop(key, None)
 
 
-def _layout(optimizer: torch.optim.Optimizer) -> tuple[int, ...]:
+def _signature(optimizer: torch.optim.Optimizer) -> tuple[int, ...]:
     groups = optimizer.param_groups
     return (_generation, len(groups), *[len(group["params"]) for group in groups])
 
@@ -182,15 +182,15 @@ def _layout(optimizer: torch.optim.Optimizer) -> tuple[int, ...]:
 def _check(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     if torch.compiler.is_compiling():
         return
-    layout = _layout(optimizer)
-    if _checked.get(optimizer) == layout:
+    signature = _signature(optimizer)
+    if _checked.get(optimizer) == signature:
         return
     held = {id(p) for group in optimizer.param_groups for p in group["params"]}
     if _removals:
         _refuse_removed(optimizer, held)
     missed = _missed(held) if _conversions else []
     if not missed:
-        _checked[optimizer] = layout
+        _checked[optimizer] = signature
         _suspected.pop(optimizer, None)
         return
     suspected = _suspected.get(optimizer, [])

@@ -93,6 +93,7 @@ def register(
     registration added (a gain, new originals) raises at its step: it was built before.
     """
     stacked = parametrize.is_parametrized(module, name)
+    order = list(own_parameters(module))
     before = own_parameters(module).get(name)
     held = _behind(module, name)
     register_parametrization(module, name, parametrization)
@@ -110,15 +111,28 @@ def register(
         if stacked:
             remove_outermost(module, name)
             return
-        single = hasattr(originals(module, name), "original")
-        if single:
+        if hasattr(originals(module, name), "original"):
             remove_parametrizations(module, name, leave_parametrized=False)
-            return
-        remove_parametrizations(module, name, leave_parametrized=True)
-        delattr(module, name)
-        module.register_parameter(name, before)
+        else:
+            remove_parametrizations(module, name, leave_parametrized=True)
+            delattr(module, name)
+            module.register_parameter(name, before)
+        _reorder(module, order)
 
     return undo
+
+
+def _reorder(module: nn.Module, order: list[str]) -> None:
+    """Registers ``module``'s own Parameters again in ``order``, their order before a
+    registration: torch's removal registers the restored one last, which would change the
+    order of ``model.parameters()`` (and of an optimizer's state built from it)."""
+    found = own_parameters(module)
+    if list(found) == order:
+        return
+    for key in order:
+        if key in found:
+            delattr(module, key)
+            module.register_parameter(key, found[key])
 
 
 def apply_all(steps: Sequence[Step]) -> None:

@@ -14,8 +14,8 @@ class StepHook(Running):
     r"""Base of the step hooks: a technique run in any optimizer's step, through its hooks.
 
     A subclass derives from its technique's :class:`Settings` too, declares what it
-    rewrites, ``prefix`` and ``technique``, and implements ``_unit_``; see the module
-    docstring.
+    rewrites, ``prefix`` and ``technique``, and implements ``_unit_``; see the package
+    docstring (:mod:`normhooks._step_hook`).
 
     What the base does, the same for every technique:
 
