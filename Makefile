@@ -43,8 +43,11 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/agc.py
 	$(BIN)/python benchmarks/trust_ratio.py
 	$(BIN)/python benchmarks/gradient_centralization.py
+	$(BIN)/python benchmarks/hypersphere.py
+	$(BIN)/python benchmarks/update_rms.py
 	$(BIN)/python benchmarks/ws.py
 	$(BIN)/python benchmarks/wn.py
+	$(BIN)/python benchmarks/sn.py
 
 demo: $(STAMP)
 	$(BIN)/normhooks demo

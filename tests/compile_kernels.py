@@ -114,6 +114,8 @@ def lars_kernels() -> None:
         "clip",
         "lr_is_tensor",
         "zero_denominator_is_one",
+        "zero_grad_is_one",
+        "zero_grad_is_zero",
         "scaled",
     )
     sizes = {"block": 1024, "chunk_size": 32768}

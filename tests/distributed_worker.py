@@ -23,6 +23,7 @@ from hook_kinds import KINDS
 from normhooks import (
     AdaptiveGradientClipping,
     GradientLARS,
+    Hypersphere,
     agc_,
     agc_param_groups,
     apply_weight_norm,
@@ -516,6 +517,46 @@ def fsdp_hooks(rank: int, world: int, out: Path) -> dict[str, Any]:
     return results
 
 
+def train_sphere_columns(
+    model: nn.Module,
+    batches: list[tuple[torch.Tensor, torch.Tensor]],
+    shard: Callable[[torch.Tensor], torch.Tensor],
+    count: Callable[[Callable[[], object]], int] | None = None,
+) -> dict[str, Any]:
+    """STEPS of momentum SGD with Hypersphere(dim=0): each column on the unit sphere."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+    Hypersphere(dim=0).attach(optimizer)
+    collectives = []
+    for x, y in batches:
+        optimizer.zero_grad()
+        F.mse_loss(model(shard(x)), shard(y)).backward()
+        if count is None:
+            optimizer.step()
+        else:
+            collectives.append(count(optimizer.step))
+    return {"collectives": collectives, "params": full_parameters(model)}
+
+
+def fsdp_sphere_columns(rank: int, world: int, out: Path) -> dict[str, Any]:
+    """Hypersphere(dim=0) on the MLP sharded per layer: Shard(0) splits every column."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    _, batches = data()
+
+    def count(step: Callable[[], object]) -> int:
+        with CommDebugMode() as comm:
+            step()
+        return int(comm.get_total_counts())
+
+    model = make_mlp()
+    for layer in model:
+        if any(True for _ in layer.parameters()):
+            fully_shard(layer)
+    fully_shard(model)
+    return train_sphere_columns(model, batches, lambda t: half(t, rank, world), count)
+
+
 def fsdp1(rank: int, world: int, out: Path) -> dict[str, Any]:
     """What the hooks say to FSDP1 (FullyShardedDataParallel), each layer its own unit.
 
@@ -644,6 +685,7 @@ SCENARIOS: dict[str, Callable[[int, int, Path], dict[str, Any]]] = {
     "fsdp_agc": fsdp_agc,
     "fsdp_trust_ratio": fsdp_trust_ratio,
     "fsdp_hooks": fsdp_hooks,
+    "fsdp_sphere_columns": fsdp_sphere_columns,
     "fsdp1": fsdp1,
 }
 

@@ -19,7 +19,9 @@ from normhooks import (
     AdaptiveGradientClipping,
     GradientCentralization,
     GradientLARS,
+    Hypersphere,
     TrustRatio,
+    UpdateRMS,
     agc_,
     centralize_gradients_,
     lars_,
@@ -109,6 +111,26 @@ def centralized(w: Tensor, g: Tensor, lr: float, *, conv_only: bool = False) -> 
     return g64 - g64.mean(dim=tuple(range(1, g64.ndim)), keepdim=True)
 
 
+def rms_ratio(w: Tensor, u: Tensor, *, rule: str, rms: float) -> float:
+    """Adafactor's update clipping ``1 / max(1, RMS(u) / d)`` (``rule="clip"``) or the RMS
+    matching ``d / RMS(u)`` (``"match"``) of Moonlight, 1 for a zero update."""
+    u_rms = u.double().norm().item() / max(u.numel(), 1) ** 0.5
+    if u_rms == 0:
+        return 1.0
+    return 1.0 / max(1.0, u_rms / rms) if rule == "clip" else rms / u_rms
+
+
+def on_sphere(w: Tensor, *, dim: int = 1, eps: float = 1e-12) -> Tensor:
+    """nGPT's ``w / ||w||`` for each row (``dim=1``) or column (``dim=0``) of a tensor of 2 or
+    more dims seen as a matrix of its dim 0 by the rest, the norm floored at ``eps``."""
+    w64 = w.detach().double()
+    if w64.ndim < 2:
+        return w64
+    matrix = w64.reshape(w64.shape[0], -1)
+    norms = matrix.norm(dim=dim, keepdim=True).clamp(min=eps)
+    return (matrix / norms).reshape(w64.shape)
+
+
 @dataclass(frozen=True)
 class Kind:
     """One hook: its class and functional form, its technique by hand, and what it exposes.
@@ -117,7 +139,8 @@ class Kind:
     ``ratio(w, g, **settings)`` the factor of a hook on the updates, which SGD's step
     ``-lr * g`` is multiplied by. ``override`` is a param-group key, its value and the
     setting it stands for; ``values`` the attribute of each group's values of the last step
-    and ``value(w, g, lr, **settings)`` each parameter's.
+    and ``value(w, g, lr, **settings)`` each parameter's. ``project(w, **settings)`` is what a
+    hook that rewrites the parameters after the step makes of SGD's result ``w``.
     """
 
     hook: type[Any]
@@ -129,6 +152,7 @@ class Kind:
     values: str | None = None
     value: Callable[..., float] | None = None
     settings: dict[str, Any] = field(default_factory=dict)
+    project: Callable[..., Tensor] | None = None
 
     @property
     def prefix(self) -> str:
@@ -148,6 +172,8 @@ class Kind:
         w64 = w.detach().double()
         if self.gradient is not None:
             return w64 - lr * self.gradient(w, g, lr, **settings)
+        if self.project is not None:
+            return self.project(w64 - lr * g.double(), **settings)
         assert self.ratio is not None
         return w64 - lr * self.ratio(w, g, **settings) * g.double()
 
@@ -174,7 +200,7 @@ KINDS: dict[str, Kind] = {
         agc_,
         gradient=agc_gradient,
         override=("agc_clipping", 0.02, "clipping"),
-        bad_override=("agc_eps", 0.0, r"param group \d: agc_eps must be positive"),
+        bad_override=("agc_eps", -1.0, r"param group \d: agc_eps must be non-negative"),
         values="last_ratios",
         value=agc_value,
         # Clips some units of the test gradients and leaves others alone.
@@ -194,6 +220,32 @@ KINDS: dict[str, Kind] = {
         gradient=centralized,
         override=("gc_conv_only", True, "conv_only"),
         bad_override=("gc_conv_only", 1, r"param group \d: gc_conv_only must be a bool"),
+    ),
+    "sphere": Kind(
+        Hypersphere,
+        None,
+        project=on_sphere,
+        override=("sphere_dim", 0, "dim"),
+        bad_override=("sphere_eps", 0.0, r"param group \d: sphere_eps must be positive"),
+    ),
+    "update_clip": Kind(
+        UpdateRMS,
+        None,
+        ratio=rms_ratio,
+        override=("update_rms", 0.5, "rms"),
+        bad_override=("update_rule", "scale", r"param group \d: update_rule must be 'clip'"),
+        values="last_ratios",
+        # Clips some of the test updates (RMS about 0.3) and leaves others alone.
+        settings={"rule": "clip", "rms": 0.3},
+    ),
+    "update_match": Kind(
+        UpdateRMS,
+        None,
+        ratio=rms_ratio,
+        override=("update_rms", 0.1, "rms"),
+        bad_override=("update_rms", -1.0, r"param group \d: update_rms must be positive"),
+        values="last_ratios",
+        settings={"rule": "match", "rms": 0.2},
     ),
 }
 ON_GRADIENTS = {name: kind for name, kind in KINDS.items() if not kind.on_updates}

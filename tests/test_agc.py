@@ -144,12 +144,37 @@ def test_zero_weights_count_as_eps() -> None:
     torch.testing.assert_close(weight.grad, torch.full((3, 4), 1e-5 / 2))
 
 
+def test_without_a_floor_a_zero_unit_is_clipped_to_zero() -> None:
+    weight = nn.Parameter(torch.tensor([[3.0, 4.0], [0.0, 0.0], [0.0, 0.0]]))
+    weight.grad = torch.tensor([[30.0, 40.0], [1.0, 2.0], [0.0, 0.0]])
+    ratios = agc_([weight], clipping=0.1, eps=0.0)
+    assert ratios.tolist() == [math.inf]
+    torch.testing.assert_close(weight.grad, torch.tensor([[0.3, 0.4], [0.0, 0.0], [0.0, 0.0]]))
+
+
+def test_without_a_floor_a_zero_unit_never_moves_under_the_hook() -> None:
+    layer = nn.Linear(3, 2)
+    with torch.no_grad():
+        layer.weight[1] = 0.0
+    optimizer = torch.optim.SGD(layer.parameters(), lr=0.5, momentum=0.9)
+    hook = AdaptiveGradientClipping(clipping=0.01, eps=0.0)
+    hook.attach(optimizer)
+    for _ in range(3):
+        optimizer.zero_grad()
+        layer(torch.randn(4, 3)).square().sum().backward()
+        optimizer.step()
+    assert torch.equal(layer.weight[1], torch.zeros(3))
+    assert layer.weight[0].ne(0).all()
+    assert hook.last_ratios[0][0].item() == math.inf  # the weight's largest: its zero row
+
+
+@pytest.mark.parametrize("eps", [1e-3, 0.0], ids=["eps", "no-floor"])
 @pytest.mark.parametrize("shape", [(3, 4), (5,), (), (2, 3, 3)], ids=str)
-def test_zero_gradients_stay_zero_without_nan(shape: tuple[int, ...]) -> None:
+def test_zero_gradients_stay_zero_without_nan(shape: tuple[int, ...], eps: float) -> None:
     for weight_value in (0.0, 1.0):
         param = nn.Parameter(torch.full(shape, weight_value))
         param.grad = torch.zeros(shape)
-        ratios = agc_([param])
+        ratios = agc_([param], eps=eps)
         assert torch.equal(param.grad, torch.zeros(shape))
         assert ratios.tolist() == [0.0]
 
@@ -294,7 +319,7 @@ def test_nf_net_style_training() -> None:
         ({"clipping": -1}, ValueError, r"clipping must be positive, got clipping=-1"),
         ({"clipping": math.inf}, ValueError, r"clipping must be finite"),
         ({"clipping": "0.01"}, TypeError, r"clipping must be a real number, got clipping='0.01'"),
-        ({"eps": 0.0}, ValueError, r"eps must be positive, got eps=0.0"),
+        ({"eps": -1e-3}, ValueError, r"eps must be non-negative, got eps=-0.001"),
         ({"eps": math.nan}, ValueError, r"eps must be finite"),
         ({"eps": True}, TypeError, r"eps must be a real number, got eps=True"),
     ],
@@ -321,7 +346,7 @@ def test_argument_errors(
     [
         ({"agc_clip": 0.1}, ValueError, r"unknown key 'agc_clip'; expected one of 'agc_clipping'"),
         ({"agc_clipping": 0}, ValueError, r"param group 0: agc_clipping must be positive"),
-        ({"agc_eps": -1.0}, ValueError, r"param group 0: agc_eps must be positive"),
+        ({"agc_eps": -1.0}, ValueError, r"param group 0: agc_eps must be non-negative"),
     ],
     ids=["near-miss-key", "clipping", "eps"],
 )

@@ -429,6 +429,27 @@ def test_every_hook_under_fsdp2_issues_one_collective_per_step_if_it_needs_whole
         assert rank[name]["collectives"] == [expected] * worker.STEPS
 
 
+fsdp_sphere_columns = scenario("fsdp_sphere_columns")
+
+
+def test_hypersphere_columns_under_fsdp2_train_as_one_process(
+    fsdp_sphere_columns: list[dict[str, Any]],
+) -> None:
+    _, batches = worker.data()
+    expected = worker.train_sphere_columns(worker.make_mlp(), batches, lambda t: t)
+    for rank in fsdp_sphere_columns:
+        assert_same_tensors(rank["params"], expected["params"])
+
+
+def test_hypersphere_columns_under_fsdp2_issue_one_collective_per_step(
+    fsdp_sphere_columns: list[dict[str, Any]],
+) -> None:
+    """Shard(0) splits each column over the ranks: its norm's square is summed over them, in
+    one all-reduce for all four layers."""
+    for rank in fsdp_sphere_columns:
+        assert rank["collectives"] == [1] * worker.STEPS
+
+
 # --- FSDP1 (FullyShardedDataParallel): refused ------------------------------------------------
 
 

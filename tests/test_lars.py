@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 from hook_kinds import lars_rate
-from normhooks import GradientLARS, apply_weight_norm, lars_, lars_param_groups
+from normhooks import GradientLARS, _kernels, apply_weight_norm, lars_, lars_param_groups
 
 
 def reference(
@@ -140,6 +140,82 @@ def test_zero_grad_gives_no_nan(eps: float, weight_decay: float) -> None:
     torch.testing.assert_close(param.grad, expected.float())
 
 
+# --- the zero-gradient rule ------------------------------------------------------------------
+
+
+def zero_grad_case() -> list[nn.Parameter]:
+    """A tensor with a gradient, a zero-gradient one, a zero one and one below the threshold."""
+    params = [param_with_grad(3, 4, dtype=torch.float64) for _ in range(4)]
+    params[1].grad.zero_()
+    params[2].data.zero_()
+    params[3].data.mul_(1e-4)
+    params[3].grad.zero_()
+    return params
+
+
+def zero_grad_expected(
+    params: list[nn.Parameter], mode: str, weight_decay: float
+) -> tuple[list[torch.Tensor], list[float]]:
+    """The peers' rules written out: "decay" (timm's Lars, torchlars) gives a zero-gradient
+    tensor rate 1, "skip" (lightly, solo-learn, apex LARC, torch-optimizer) leaves it as it
+    is, which is rate 0 on g + weight_decay * w; "scale" is the formula (Chainer)."""
+    grads, rates = [], []
+    for p in params:
+        grad, rate = reference(p, p.grad, threshold=1e-2, weight_decay=weight_decay, eps=1e-8)
+        if p.grad.norm() == 0 and mode != "scale":
+            rate = 1.0 if mode == "decay" else 0.0
+            grad = rate * (p.grad + weight_decay * p.detach())
+        grads.append(grad)
+        rates.append(rate)
+    return grads, rates
+
+
+@pytest.mark.parametrize("path", ["eager", "kernel"])
+@pytest.mark.parametrize("weight_decay", [0.0, 1e-2], ids=["no-decay", "decay"])
+@pytest.mark.parametrize("mode", ["scale", "decay", "skip"])
+def test_zero_grad_mode(mode: str, weight_decay: float, path: str) -> None:
+    params = zero_grad_case()
+    expected, expected_rates = zero_grad_expected(params, mode, weight_decay)
+    if path == "kernel":
+        pytest.importorskip("triton")
+        with _kernels.route_cpu_tensors():
+            rates = lars_(params, 1e-2, weight_decay, 1e-8, zero_grad_mode=mode)  # type: ignore[arg-type]
+    else:
+        rates = lars_(params, 1e-2, weight_decay, 1e-8, zero_grad_mode=mode)  # type: ignore[arg-type]
+    torch.testing.assert_close(rates, torch.tensor(expected_rates, dtype=torch.float64))
+    for param, grad in zip(params, expected, strict=True):
+        torch.testing.assert_close(param.grad, grad, rtol=1e-13, atol=0.0)
+
+
+def test_skip_leaves_a_zero_gradient_tensor_where_it_is_under_momentum() -> None:
+    params = zero_grad_case()
+    start = [p.detach().clone() for p in params]
+    optimizer = torch.optim.SGD(params, lr=0.1, momentum=0.9, nesterov=True)
+    GradientLARS(threshold=0.0, weight_decay=1e-2, zero_grad_mode="skip").attach(optimizer)
+    optimizer.step()
+    for i in (1, 3):
+        assert torch.equal(params[i].detach(), start[i])
+    assert not torch.equal(params[0].detach(), start[0])
+
+
+@pytest.mark.parametrize("path", ["eager", "kernel"])
+def test_group_override_of_zero_grad_mode(path: str) -> None:
+    skipped, scaled = zero_grad_case()[1], zero_grad_case()[1]
+    optimizer = torch.optim.SGD(
+        [{"params": [skipped], "lars_zero_grad_mode": "skip"}, {"params": [scaled]}], lr=0.1
+    )
+    hook = GradientLARS(weight_decay=1e-2)
+    hook.attach(optimizer)
+    if path == "kernel":
+        pytest.importorskip("triton")
+        with _kernels.route_cpu_tensors():
+            optimizer.step()
+    else:
+        optimizer.step()
+    assert hook.last_rates[0].tolist() == [0.0]
+    assert hook.last_rates[1].item() == pytest.approx(1.0 / (1e-9 / scaled.norm().item() + 1e-2))
+
+
 @pytest.mark.parametrize("bad", [math.inf, math.nan], ids=["inf", "nan"])
 def test_non_finite_grads_stay_non_finite(bad: float) -> None:
     param = param_with_grad(3, 3)
@@ -201,6 +277,23 @@ def test_lars_param_groups_leaves_gains_alone() -> None:
     skipped = {id(p) for p in groups[1]["params"]}
     assert id(model[0].parametrizations.weight.original0) in skipped
     assert id(model[0].parametrizations.weight.original1) not in skipped
+
+
+def test_lars_param_groups_by_module_leaves_out_norm_layers_and_biases() -> None:
+    model = nn.Sequential(
+        nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.Flatten(), nn.LayerNorm(4), nn.Linear(4, 1)
+    )
+    groups = lars_param_groups(model, by="module")
+    assert [g.get("lars", True) for g in groups] == [True, False]
+    # The (1, 4) head weight is scaled, which the shape rule leaves out.
+    assert {id(p) for p in groups[0]["params"]} == {id(model[0].weight), id(model[4].weight)}
+    assert {id(p) for p in lars_param_groups(model)[0]["params"]} == {id(model[0].weight)}
+
+
+def test_lars_param_groups_by_module_scales_weight_norms_g() -> None:
+    model = apply_weight_norm(nn.Sequential(nn.Conv2d(3, 8, 3, bias=False)))
+    (group,) = lars_param_groups(model, by="module")
+    assert len(group["params"]) == 2
 
 
 def test_lars_param_groups_leaves_out_empty_groups() -> None:
@@ -284,6 +377,12 @@ def test_hook_traces_without_graph_breaks() -> None:
         ({"clip": 1}, TypeError, r"clip must be a bool, got clip=1"),
         ({"threshold": "1"}, TypeError, r"threshold must be a real number, got threshold='1'"),
         ({"eps": math.nan}, ValueError, r"eps must be finite"),
+        (
+            {"zero_grad_mode": "none"},
+            ValueError,
+            r"zero_grad_mode must be one of 'scale', 'decay', 'skip', got zero_grad_mode='none'",
+        ),
+        ({"zero_grad_mode": True}, TypeError, r"zero_grad_mode must be a str, one of .*=True"),
     ],
     ids=[
         "threshold",
@@ -294,6 +393,8 @@ def test_hook_traces_without_graph_breaks() -> None:
         "clip",
         "str",
         "nan",
+        "zero-grad-mode",
+        "zero-grad-mode-bool",
     ],
 )
 def test_constructor_errors(kwargs: dict[str, Any], error: type[Exception], match: str) -> None:
@@ -356,8 +457,13 @@ def test_group_added_later_with_its_own_decay_warns_at_the_next_step() -> None:
         ({"lars_threshold": -1.0}, ValueError, r"param group 0: lars_threshold must be non-neg"),
         ({"lars_clip": "yes"}, TypeError, r"param group 0: lars_clip must be a bool"),
         ({"lars_clip": True, "lr": None}, ValueError, r'clip=True divides by .* "lr"=None'),
+        (
+            {"lars_zero_grad_mode": "Skip"},
+            ValueError,
+            r"param group 0: lars_zero_grad_mode must be one of 'scale', 'decay', 'skip'",
+        ),
     ],
-    ids=["threshold", "clip", "clip-without-lr"],
+    ids=["threshold", "clip", "clip-without-lr", "zero-grad-mode"],
 )
 def test_bad_group_values_refused_at_attach(
     group: dict[str, Any], error: type[Exception], match: str
@@ -372,6 +478,12 @@ def test_lars_param_groups_errors() -> None:
         lars_param_groups([])  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="exclude must be a callable"):
         lars_param_groups(mlp(), exclude=3)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"by must be 'shape' or 'module', got by='type'"):
+        lars_param_groups(mlp(), by="type")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"exclude replaces the rule that by='module' names"):
+        lars_param_groups(mlp(), exclude=lambda name, p: False, by="module")
+    with pytest.raises(TypeError, match=r"model must be a torch\.nn\.Module, got list"):
+        lars_param_groups([], by="module")  # type: ignore[arg-type]
     with pytest.raises(
         TypeError, match=r"exclude must return a bool, got builtins\.str for parameter '0\.weight'"
     ):

@@ -381,6 +381,120 @@ def test_clip_caps_the_ratio() -> None:
     torch.testing.assert_close(param.detach(), torch.full((4,), 2.9))
 
 
+def test_max_weight_norm_caps_the_weight_norm_in_the_ratio() -> None:
+    # ||w|| = 6 capped at 2, ||u|| = 2: r = 1, where the uncapped ratio would be 3.
+    capped, small = nn.Parameter(torch.full((4,), 3.0)), nn.Parameter(torch.full((4,), 0.5))
+    for p in (capped, small):
+        p.grad = torch.ones(4)
+    optimizer = torch.optim.SGD([capped, small], lr=0.1)
+    hook = TrustRatio(max_weight_norm=2.0)
+    hook.attach(optimizer)
+    optimizer.step()
+    assert hook.last_ratios[0].tolist() == pytest.approx([1.0, 0.5], rel=1e-6)
+    torch.testing.assert_close(capped.detach(), torch.full((4,), 2.9))
+
+
+def test_floor_bounds_the_ratio_below_but_not_the_fallback() -> None:
+    tiny, zero = nn.Parameter(torch.full((4,), 1e-3)), nn.Parameter(torch.zeros(4))
+    for p in (tiny, zero):
+        p.grad = torch.ones(4)
+    optimizer = torch.optim.SGD([tiny, zero], lr=0.1)
+    hook = TrustRatio(floor=0.01)
+    hook.attach(optimizer)
+    optimizer.step()
+    assert hook.last_ratios[0].tolist() == pytest.approx([0.01, 1.0], rel=1e-6)
+    torch.testing.assert_close(zero.detach(), torch.full((4,), -0.1))
+
+
+def uncorrected_adam_reference(
+    params: list[nn.Parameter], grads: list[list[Tensor]], lr: float, wd: float
+) -> list[Tensor]:
+    """``w -= lr * r * u`` with ``u = m / (sqrt(v) + eps) + wd * w``, moments never corrected
+    (torch-optimizer's and pytorch-lamb's Lamb), ``r = ||w|| / ||u||`` or 1 at a zero norm."""
+    ws = [p.detach().clone() for p in params]
+    ms = [torch.zeros_like(w) for w in ws]
+    vs = [torch.zeros_like(w) for w in ws]
+    for step_grads in grads:
+        for w, m, v, g in zip(ws, ms, vs, step_grads, strict=True):
+            m.mul_(BETAS[0]).add_((1 - BETAS[0]) * g)
+            v.mul_(BETAS[1]).add_((1 - BETAS[1]) * g * g)
+            u = m / (v.sqrt() + ADAM_EPS) + wd * w
+            w_norm, u_norm = w.norm(), u.norm()
+            ratio = w_norm / u_norm if w_norm > 0 and u_norm > 0 else 1.0
+            w.sub_(lr * ratio * u)
+    return ws
+
+
+def uncorrected_eps_(optimizer: torch.optim.Optimizer, step: int) -> None:
+    """AdamW's eps that puts the uncorrected LAMB's eps on ``sqrt(v)`` (see lamb.md)."""
+    for group in optimizer.param_groups:
+        group["eps"] = ADAM_EPS / math.sqrt(1 - BETAS[1] ** step)
+
+
+@pytest.mark.parametrize("foreach", [None, False], ids=["foreach", "per-tensor"])
+@pytest.mark.parametrize("wd", [0.0, 0.05], ids=["no-decay", "decay"])
+def test_without_bias_correction_adamw_takes_the_uncorrected_lamb_step(
+    wd: float, foreach: bool | None
+) -> None:
+    params, grads = make_params(), make_grads(6)
+    with torch.no_grad():
+        params[1].zero_()  # a zero weight: the ratio falls back to 1, the uncorrected step
+    expected = uncorrected_adam_reference(params, grads, 1e-2, wd)
+    optimizer = torch.optim.AdamW(params, lr=1e-2, betas=BETAS, weight_decay=wd)
+    TrustRatio(bias_correction=False, foreach=foreach).attach(optimizer)
+    for step, step_grads in enumerate(grads, start=1):
+        for p, g in zip(params, step_grads, strict=True):
+            p.grad = g.clone()
+        uncorrected_eps_(optimizer, step)
+        optimizer.step()
+    for param, want in zip(params, expected, strict=True):
+        torch.testing.assert_close(param.detach(), want, rtol=1e-12, atol=1e-14)
+
+
+def test_without_bias_correction_in_float32_stays_near_float64() -> None:
+    params64, grads = make_params(), make_grads(6)
+    params32 = [nn.Parameter(p.detach().float()) for p in params64]
+    for params in (params64, params32):
+        optimizer = torch.optim.AdamW(params, lr=1e-2, betas=BETAS, weight_decay=0.05)
+        TrustRatio(bias_correction=False).attach(optimizer)
+        for step_grads in grads:
+            for p, g in zip(params, step_grads, strict=True):
+                p.grad = g.to(p.dtype)
+            optimizer.step()
+    for p32, p64 in zip(params32, params64, strict=True):
+        torch.testing.assert_close(p32.detach().double(), p64.detach(), rtol=0, atol=1e-5)
+
+
+def test_infinite_threshold_never_takes_the_ratio() -> None:
+    param = nn.Parameter(torch.full((4,), 3.0))
+    param.grad = torch.ones(4)
+    optimizer = torch.optim.SGD([param], lr=0.1)
+    hook = TrustRatio(threshold=math.inf)
+    hook.attach(optimizer)
+    optimizer.step()
+    assert hook.last_ratios[0].tolist() == [1.0]
+    torch.testing.assert_close(param.detach(), torch.full((4,), 2.9))
+
+
+def test_bias_correction_group_override_applies_to_its_group_only() -> None:
+    corrected, uncorrected = nn.Parameter(torch.zeros(3)), nn.Parameter(torch.zeros(3))
+    for p in (corrected, uncorrected):
+        p.grad = torch.ones(3)
+    optimizer = torch.optim.Adam(
+        [{"params": [corrected]}, {"params": [uncorrected], "trust_bias_correction": False}],
+        lr=0.1,
+        betas=BETAS,
+        eps=0.0,
+    )
+    TrustRatio().attach(optimizer)
+    optimizer.step()
+    # Step 1 at a zero weight: Adam's corrected step is lr; the uncorrected one is
+    # lr * (1 - beta1) / sqrt(1 - beta2).
+    torch.testing.assert_close(corrected.detach(), torch.full((3,), -0.1))
+    uncorrected_step = 0.1 * (1 - BETAS[0]) / math.sqrt(1 - BETAS[1])
+    torch.testing.assert_close(uncorrected.detach(), torch.full((3,), -uncorrected_step))
+
+
 @pytest.mark.parametrize("case", ["zero-weight", "zero-update", "zero-lr", "empty"])
 def test_zero_norms_give_ratio_one_and_the_optimizers_result(case: str) -> None:
     weight = torch.zeros(3) if case == "zero-weight" else torch.ones(3)
@@ -505,10 +619,12 @@ def mlp() -> nn.Module:
     return nn.Sequential(nn.Linear(5, 8), nn.ReLU(), nn.Linear(8, 3))
 
 
-def overflowing_step(fused: bool) -> tuple[nn.Module, list[Tensor], TrustRatio, Any]:
+def overflowing_step(
+    fused: bool, bias_correction: bool = True
+) -> tuple[nn.Module, list[Tensor], TrustRatio, Any]:
     model = mlp()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.05, fused=fused)
-    hook = TrustRatio()
+    hook = TrustRatio(bias_correction=bias_correction)
     hook.attach(optimizer)
     before = [p.detach().clone() for p in model.parameters()]
     scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
@@ -527,8 +643,10 @@ def test_skipped_non_fused_step_runs_neither_hook() -> None:
         assert torch.equal(param.detach(), old)
 
 
-def test_skipped_fused_step_changes_nothing() -> None:
-    model, before, hook, optimizer = overflowing_step(fused=True)
+@pytest.mark.parametrize("bias_correction", [True, False], ids=["corrected", "uncorrected"])
+def test_skipped_fused_step_changes_nothing(bias_correction: bool) -> None:
+    # Uncorrected, the skipped step is at t = 0, whose correction 0 / 0 must not be read.
+    model, before, hook, optimizer = overflowing_step(fused=True, bias_correction=bias_correction)
     assert [r.tolist() for r in hook.last_ratios] == [[1.0] * 4]
     for param, old in zip(model.parameters(), before, strict=True):
         assert torch.equal(param.detach(), old)
@@ -609,8 +727,26 @@ def test_float32_trajectory_drift_from_float64() -> None:
         ({"clip": 0.0}, ValueError, r"clip must be positive, got clip=0.0"),
         ({"clip": True}, TypeError, r"clip must be a real number, got clip=True"),
         ({"threshold": "1"}, TypeError, r"threshold must be a real number, got threshold='1'"),
+        ({"threshold": -math.inf}, ValueError, r"threshold must be finite, got threshold=-inf"),
+        ({"floor": 0.0}, ValueError, r"floor must be positive, got floor=0.0"),
+        ({"floor": 2.0, "clip": 1.0}, ValueError, r"floor must be at most clip, got floor=2.0"),
+        ({"max_weight_norm": 0.0}, ValueError, r"max_weight_norm must be positive"),
+        ({"bias_correction": 0}, TypeError, r"bias_correction must be a bool, got bias"),
     ],
-    ids=["threshold", "eps", "eps-nan", "coefficient", "clip", "clip-bool", "str"],
+    ids=[
+        "threshold",
+        "eps",
+        "eps-nan",
+        "coefficient",
+        "clip",
+        "clip-bool",
+        "str",
+        "threshold-minus-inf",
+        "floor",
+        "floor-above-clip",
+        "max-weight-norm",
+        "bias-correction",
+    ],
 )
 def test_constructor_errors(kwargs: dict[str, Any], error: type[Exception], match: str) -> None:
     with pytest.raises(error, match=match):
@@ -625,8 +761,19 @@ def test_constructor_errors(kwargs: dict[str, Any], error: type[Exception], matc
         ({"trust_coefficient": -1.0}, ValueError, r"trust_coefficient must be positive"),
         ({"lr": None}, ValueError, r'learning rate, .* but the group has "lr"=None'),
         ({"lr": -0.1}, ValueError, r'but the group has "lr"=-0.1'),
+        (
+            {"trust_floor": 0.5, "trust_clip": 0.1},
+            ValueError,
+            r"param group 0: trust_floor must be at most trust_clip",
+        ),
+        (
+            {"trust_bias_correction": False},
+            ValueError,
+            r"param group 0: bias_correction=False undoes the bias correction of torch.optim."
+            r"Adam or AdamW, .* but the optimizer is SGD",
+        ),
     ],
-    ids=["eps", "clip", "coefficient", "lr-none", "lr-negative"],
+    ids=["eps", "clip", "coefficient", "lr-none", "lr-negative", "floor-above-clip", "not-adam"],
 )
 def test_bad_groups_refused_at_attach(
     group: dict[str, Any], error: type[Exception], match: str

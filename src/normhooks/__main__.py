@@ -1,12 +1,14 @@
-"""The ``normhooks`` command (also ``python -m normhooks``): ``normhooks demo [options]``."""
+"""The ``normhooks`` command (also ``python -m normhooks``): ``normhooks demo [options]`` and
+``normhooks check [--json PATH]``."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
-from normhooks import __version__
+from normhooks import __version__, _selfcheck
 from normhooks.demo import cli
 
 __all__ = ["main"]
@@ -31,21 +33,40 @@ def _parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentPars
         "experiment in --out.",
     )
     cli.add_arguments(demo)
-    return parser, {"demo": demo}
+    check = commands.add_parser(
+        "check",
+        prog="normhooks check",
+        help="check this machine's kernels against the plain formula, and time them",
+        description="Prints normhooks', torch's and Triton's versions, the device and the path "
+        "each technique takes. On CUDA, compares every kernel path (per layer and fused; "
+        "float32, bfloat16, float16; forward and backward) with the plain torch formula on the "
+        "device and times it against its peer: one verdict per line, exit status 1 on any "
+        "mismatch or failure. Without CUDA there is nothing to check (exit status 0).",
+    )
+    check.add_argument(
+        "--json", metavar="PATH", help="also write the report as JSON to PATH (to send back)"
+    )
+    return parser, {"demo": demo, "check": check}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Parses ``argv`` (default: the process's arguments) and runs the command.
 
     Returns:
-        The exit status: 0 on success, 2 for a reported error. Argument errors exit with
-        status 2 through :mod:`argparse`.
+        The exit status: 0 on success, 2 for a reported error (``check``: 1 when a kernel
+        disagrees with the formula or fails). Argument errors exit with status 2 through
+        :mod:`argparse`.
     """
     parser, commands = _parsers()
     args, unknown = parser.parse_known_args(argv)
     if unknown:
         # Reported by the command's own parser, so the usage shown is the command's.
         commands[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
+    if args.command == "check":
+        if args.json is not None and not Path(args.json).absolute().parent.is_dir():
+            # Said before the check runs, not after it: a GPU run takes up to a minute.
+            commands["check"].error(f"--json {args.json}: its directory does not exist")
+        return _selfcheck.run(args.json)
     return cli.run(args)
 
 

@@ -20,6 +20,9 @@ from torch.utils.hooks import RemovableHandle
 # ConvTranspose*/LazyConvTranspose* layer derives from them.
 ConvNd: type[nn.Module] = nn.modules.conv._ConvNd
 ConvTransposeNd: type[nn.Module] = nn.modules.conv._ConvTransposeNd
+# torch.nn.utils.parametrizations.spectral_norm's parametrization (2.13; there since 1.9): its power
+# iteration's vectors are the buffers _u and _v, over the weight with axis dim as rows.
+TorchSpectralNorm: type[nn.Module] = nn.utils.parametrizations._SpectralNorm
 
 
 def foreach_norm(tensors: list[Tensor], dtype: torch.dtype | None = None) -> list[Tensor]:

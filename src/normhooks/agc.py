@@ -41,8 +41,8 @@ class AGCSettings(Settings):
 
     clipping: float = setting(_checks.positive)
     """The largest ratio ``||G_i|| / max(||W_i||, eps)`` left unclipped."""
-    eps: float = setting(_checks.positive)
-    """The smallest weight norm a unit is compared with."""
+    eps: float = setting(_checks.non_negative)
+    """The smallest weight norm a unit is compared with (0: none, a zero unit never moves)."""
 
 
 def _unit_norms(tensors: list[Tensor], whole: Tensor | None, foreach: bool | None) -> Tensor:
@@ -90,7 +90,8 @@ def agc_unit_(
     # A branch on the tensor values would be a host sync; where() divides only where
     # ||G|| > max_norm > 0, so zero gradients stay zero and nothing divides by zero.
     factors = torch.where(g > max_norm, max_norm / g, torch.ones_like(g))
-    ratios = g / bounded
+    # With eps=0 a zero unit has ratio inf (0/0 counts as 0: a zero gradient is never clipped).
+    ratios = torch.where(g > 0, g / bounded, torch.zeros_like(g))
     flat = [i for i, t in enumerate(params) if t.ndim < 2]
     rows = [i for i, t in enumerate(params) if t.ndim >= 2]
     factor_of: list[Tensor] = [torch.empty(0)] * len(params)
@@ -154,7 +155,9 @@ def agc_(
         parameters: a tensor or an iterable of tensors; those without ``.grad`` are skipped.
         clipping: :math:`\lambda`, the largest allowed ratio of gradient to weight norm.
         eps: :math:`\epsilon`, the smallest weight norm a unit is given, so that zero-initialized
-            weights can still move.
+            weights can still move. ``eps=0`` (composer's adaptive ``GradientClipping``) sets
+            no floor: a unit whose weights are all zero then has its gradient clipped to zero
+            and never moves, and its ratio is inf.
         foreach: True or None take multi-tensor ops, False one tensor at a time.
 
     Returns:
@@ -262,7 +265,8 @@ class AdaptiveGradientClipping(StepHook, AGCSettings):
 
     Args:
         clipping: :math:`\lambda`, the largest allowed ratio of gradient to weight norm.
-        eps: :math:`\epsilon`, the smallest weight norm a unit is given.
+        eps: :math:`\epsilon`, the smallest weight norm a unit is given; 0 sets none, so a
+            unit whose weights are all zero never moves (composer's rule, see :func:`agc_`).
         foreach: as in :func:`agc_`.
 
     References:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any, Literal, cast
 
 import torch
 from torch import Tensor, nn
@@ -35,6 +35,19 @@ from normhooks._step_hook import (
 
 __all__ = ["GradientLARS", "lars_", "lars_param_groups"]
 
+ZeroGradMode = Literal["scale", "decay", "skip"]
+# The rate each mode gives a tensor whose gradient is exactly zero; "scale" uses the formula.
+_ZERO_GRAD_RATES: dict[str, float | None] = {"scale": None, "decay": 1.0, "skip": 0.0}
+
+
+def _zero_grad_mode(name: str, value: object) -> str:
+    expected = ", ".join(map(repr, _ZERO_GRAD_RATES))
+    if not isinstance(value, str):
+        raise TypeError(f"{name} must be a str, one of {expected}, got {name}={value!r}")
+    if value not in _ZERO_GRAD_RATES:
+        raise ValueError(f"{name} must be one of {expected}, got {name}={value!r}")
+    return value
+
 
 @dataclass(frozen=True, eq=False)
 class LARSSettings(Settings):
@@ -50,6 +63,9 @@ class LARSSettings(Settings):
     """Multiplies the local rate."""
     clip: bool = setting(_checks.boolean)
     """Whether LARC's clipping mode is on."""
+    zero_grad_mode: str = setting(_zero_grad_mode)
+    """What a tensor whose gradient is exactly zero gets: ``"scale"`` (the rate), ``"decay"``
+    (rate 1) or ``"skip"`` (left untouched)."""
 
 
 def lars_rates(
@@ -72,7 +88,12 @@ def lars_rates(
         # A zero gradient with eps=0 gives 0/0 in the local rate; the update it scales is zero
         # whatever the rate is, so rate 1 keeps it zero instead of NaN.
         scaled = scaled & (denominator > 0)
-    return torch.where(scaled, rate, torch.ones_like(rate))
+    rate = torch.where(scaled, rate, torch.ones_like(rate))
+    fallback = _ZERO_GRAD_RATES[settings.zero_grad_mode]
+    if fallback is not None:
+        # Rate 0 on g + weight_decay * w leaves a zero gradient zero: no decay, no move.
+        rate = torch.where(g_norm == 0, fallback, rate)
+    return rate
 
 
 def _update_(
@@ -135,6 +156,7 @@ def lars_unit_(
             trust_coefficient=settings.trust_coefficient,
             lr=lr,
             clip=settings.clip,
+            zero_grad_mode=settings.zero_grad_mode,
             grad_scale=grad_scale,
             found_inf=found_inf,
         )
@@ -159,6 +181,7 @@ def lars_(
     eps: float = 1e-9,
     *,
     trust_coefficient: float = 1.0,
+    zero_grad_mode: ZeroGradMode = "scale",
     foreach: bool | None = None,
 ) -> Tensor:
     r"""Scales every parameter's ``.grad`` in place by its layer-wise adaptive rate.
@@ -172,7 +195,18 @@ def lars_(
                           1 & \text{otherwise} \end{cases}, \qquad
         g \leftarrow r\,(g + \beta w)
 
-    with :math:`\beta` = ``weight_decay`` and :math:`\eta` = ``trust_coefficient``.
+    with :math:`\beta` = ``weight_decay`` and :math:`\eta` = ``trust_coefficient``. A tensor
+    whose gradient is exactly zero (:math:`\|g\| = 0`: a layer behind a zero-initialized
+    gain, ``zero_init_residual=True``, at the first step) gets, by ``zero_grad_mode``:
+
+    - ``"scale"`` (the default, Chainer's): the rate above,
+      :math:`\eta\|w\| / (\epsilon + \beta\|w\|)`, so it decays by about :math:`\eta w`;
+    - ``"decay"``: :math:`r = 1`, the plain decay :math:`g \leftarrow \beta w` (timm's
+      ``Lars``, torchlars);
+    - ``"skip"``: :math:`r = 0`, so its gradient stays zero and it does not move, weight decay
+      included (lightly, solo-learn, apex's ``LARC``, torch-optimizer and pl_bolts: their rate
+      1 without the decay term).
+
     Parameters are taken per device and dtype. On accelerators the norms are one multi-tensor
     call; on the CPU, tensors of more than 4096 values are reduced in rows whose sums of
     squares are added in float64 (a single float32 reduction of a long tensor is not
@@ -186,10 +220,13 @@ def lars_(
         weight_decay: :math:`\beta`, L2 decay added to the gradient before scaling.
         eps: added to the denominator for numerical stability.
         trust_coefficient: :math:`\eta`, multiplies the local rate.
+        zero_grad_mode: ``"scale"``, ``"decay"`` or ``"skip"``, the rule for a tensor whose
+            gradient is exactly zero (above).
         foreach: True or None take multi-tensor ops as above, False one tensor at a time.
 
     Returns:
-        A 1-D tensor with the rate applied to each parameter that has a gradient, in order.
+        A 1-D tensor with the rate applied to each parameter that has a gradient, in order
+        (0 for a tensor ``"skip"`` leaves untouched).
 
     References:
         You, Gitman and Ginsburg, Large Batch Training of Convolutional Networks,
@@ -212,32 +249,49 @@ def lars_(
             "eps": eps,
             "trust_coefficient": trust_coefficient,
             "clip": False,
+            "zero_grad_mode": zero_grad_mode,
         }
     )
     return cast(Tensor, GradientLARS._apply_to_parameters_(parameters, settings, foreach))
 
 
 def lars_param_groups(
-    model: nn.Module, *, exclude: Callable[[str, nn.Parameter], bool] | None = None
+    model: nn.Module,
+    *,
+    exclude: Callable[[str, nn.Parameter], bool] | None = None,
+    by: Literal["shape", "module"] = "shape",
 ) -> list[dict[str, Any]]:
     """Splits a model's parameters into a LARS group and a group the hook leaves alone.
 
-    By default every parameter with at most one dimension longer than 1 (biases, the affine
-    parameters of normalization layers, weight normalization's g, scaled weight
-    standardization's gain) goes into a group with ``"lars": False``: the hook neither scales
-    nor decays it, as is usual for LARS (You et al. 2017, section 5). Empty groups are left out.
+    The parameters left alone go into a group with ``"lars": False``: the hook neither scales
+    nor decays them, as is usual for LARS (You et al. 2017, section 5). Which they are:
+
+    - ``by="shape"`` (the default): every parameter with at most one dimension longer than 1:
+      biases, the affine parameters of normalization layers, weight normalization's g (shape
+      ``[C, 1, 1, 1]``), scaled weight standardization's gain, and also the weight of a layer
+      with one output or one input (``nn.Linear(32, 1)``'s ``[1, 32]``);
+    - ``by="module"``: the parameters of normalization layers (batch, instance, layer, group
+      and RMS norm) and those whose name ends in ``bias``, as lightly's
+      ``get_weight_decay_parameters`` splits them for its SimCLR, BYOL and Barlow Twins recipes:
+      every other weight is scaled, ``[1, 32]`` included, and so is weight normalization's g.
+
+    Empty groups are left out.
 
     Args:
         model: the module whose parameters to split.
-        exclude: a predicate ``(name, param) -> bool`` that replaces the default rule; the
-            parameters for which it returns True go into the ``"lars": False`` group.
+        exclude: a predicate ``(name, param) -> bool`` that replaces either rule; the
+            parameters for which it returns True go into the ``"lars": False`` group
+            (solo-learn's ``exclude_bias_n_norm`` is ``lambda name, p: p.ndim == 1``).
+        by: ``"shape"`` or ``"module"``, the rule above.
 
     Returns:
         A list of param group dicts for any ``torch.optim`` optimizer.
 
     Example:
-        >>> model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.LayerNorm(3))
-        >>> groups = lars_param_groups(model)
+        >>> model = torch.nn.Sequential(torch.nn.Linear(4, 1), torch.nn.LayerNorm(1))
+        >>> [(len(g["params"]), g.get("lars", True)) for g in lars_param_groups(model)]
+        [(4, False)]
+        >>> groups = lars_param_groups(model, by="module")
         >>> [(len(g["params"]), g.get("lars", True)) for g in groups]
         [(1, True), (3, False)]
     """
@@ -246,7 +300,51 @@ def lars_param_groups(
             "exclude must be a callable (name, param) -> bool or None, "
             f"got {type(exclude).__name__}"
         )
+    if by not in ("shape", "module"):
+        raise ValueError(f"by must be 'shape' or 'module', got by={by!r}")
+    if exclude is not None and by != "shape":
+        raise ValueError(f"exclude replaces the rule that by={by!r} names: pass one of them")
+    if exclude is None and by == "module":
+        left = _norm_and_bias_parameters(model)
+
+        def exclude(_: str, param: nn.Parameter) -> bool:
+            return id(param) in left
+
     return split_param_groups(model, "lars", exclude or (lambda _, param: _is_gain_like(param)))
+
+
+# The normalization layers whose affine parameters LARS leaves alone (lightly's list, in the
+# public classes: the lazy ones derive from none of the others).
+_NORM_LAYERS: tuple[type[nn.Module], ...] = (
+    nn.BatchNorm1d,
+    nn.BatchNorm2d,
+    nn.BatchNorm3d,
+    nn.LazyBatchNorm1d,
+    nn.LazyBatchNorm2d,
+    nn.LazyBatchNorm3d,
+    nn.SyncBatchNorm,
+    nn.InstanceNorm1d,
+    nn.InstanceNorm2d,
+    nn.InstanceNorm3d,
+    nn.LazyInstanceNorm1d,
+    nn.LazyInstanceNorm2d,
+    nn.LazyInstanceNorm3d,
+    nn.LayerNorm,
+    nn.GroupNorm,
+    nn.RMSNorm,
+)
+
+
+def _norm_and_bias_parameters(model: object) -> set[int]:
+    """The ids of the parameters of normalization layers and of those named ``*bias``."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    left: set[int] = set()
+    for module in model.modules():
+        for name, param in module.named_parameters(recurse=False):
+            if isinstance(module, _NORM_LAYERS) or name.endswith("bias"):
+                left.add(id(param))
+    return left
 
 
 def _is_gain_like(param: Tensor) -> bool:
@@ -277,11 +375,12 @@ class GradientLARS(StepHook, LARSSettings):
 
     Param groups can opt out (``"lars": False``) or override a setting for themselves with
     ``"lars_threshold"``, ``"lars_weight_decay"``, ``"lars_eps"``,
-    ``"lars_trust_coefficient"`` or ``"lars_clip"``. A group that keeps the optimizer's own
-    ``weight_decay`` under a hook with ``weight_decay`` gets a warning: both would decay it.
-    The rates applied in the last step are in :attr:`last_rates`, one 1-D tensor per param
-    group (empty for a group the hook skips), left on the parameters' device. One
-    GradientLARS per optimizer: attaching a second is refused.
+    ``"lars_trust_coefficient"``, ``"lars_clip"`` or ``"lars_zero_grad_mode"``. A group that
+    keeps the optimizer's own ``weight_decay`` under a hook with ``weight_decay`` gets a
+    warning: both would decay it. The rates applied in the last step are in
+    :attr:`last_rates`, one 1-D tensor per param group (empty for a group the hook skips),
+    left on the parameters' device. One GradientLARS per optimizer: attaching a second is
+    refused.
 
     ``step(closure)`` works: the hook evaluates the closure itself, scales the fresh gradients,
     and hands the optimizer the loss. Fused optimizers under :class:`torch.amp.GradScaler`
@@ -299,6 +398,9 @@ class GradientLARS(StepHook, LARSSettings):
         eps: added to the denominator for numerical stability.
         trust_coefficient: :math:`\eta`, multiplies the local rate.
         clip: LARC's clipping mode (the rate never exceeds 1 after dividing by the lr).
+        zero_grad_mode: what a tensor whose gradient is exactly zero gets, as in
+            :func:`lars_`: ``"scale"`` (Chainer's), ``"decay"`` (timm, torchlars) or
+            ``"skip"`` (lightly, solo-learn, apex's LARC, torch-optimizer).
         foreach: as in :func:`lars_`.
 
     References:
@@ -329,6 +431,7 @@ class GradientLARS(StepHook, LARSSettings):
         *,
         trust_coefficient: float = 1.0,
         clip: bool = False,
+        zero_grad_mode: ZeroGradMode = "scale",
         foreach: bool | None = None,
     ) -> None:
         super().__init__(
@@ -337,6 +440,7 @@ class GradientLARS(StepHook, LARSSettings):
             eps=eps,
             trust_coefficient=trust_coefficient,
             clip=clip,
+            zero_grad_mode=zero_grad_mode,
             foreach=foreach,
         )
 

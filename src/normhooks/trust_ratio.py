@@ -14,6 +14,9 @@ and sharded parameters.
 
 from __future__ import annotations
 
+import contextvars
+import math
+import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -23,19 +26,26 @@ from torch import Tensor
 
 from normhooks import _checks
 from normhooks import _torch_compat as compat
-from normhooks._step_hook import Settings, StepHook, setting
+from normhooks._step_hook import Settings, StepHook, euclidean_norms, setting
 
 __all__ = ["TrustRatio", "rescale_updates_", "trust_ratios"]
 
 _EXACT_DTYPES = (torch.float32, torch.float64)
 
 
+def _non_negative_or_inf(name: str, value: object) -> float:
+    # math.inf never takes the ratio: with bias_correction=False, the uncorrected Adam step.
+    if value == math.inf and not isinstance(value, bool):
+        return math.inf
+    return _checks.non_negative(name, value)
+
+
 @dataclass(frozen=True, eq=False)
 class TrustRatioSettings(Settings):
     """TrustRatio's settings, which a param group can override with ``"trust_<name>"``."""
 
-    threshold: float = setting(_checks.non_negative)
-    """Parameters whose norm is at most this keep ratio 1."""
+    threshold: float = setting(_non_negative_or_inf)
+    """Parameters whose norm is at most this keep ratio 1 (``math.inf``: all of them)."""
     eps: float = setting(_checks.non_negative)
     """Added to the update's norm in the ratio's denominator."""
     # The group key is "trust_coefficient" too: a setting that starts with the prefix keeps it.
@@ -43,6 +53,13 @@ class TrustRatioSettings(Settings):
     """Multiplies the ratio."""
     clip: float | None = setting(_checks.optional(_checks.positive))
     """The cap on the ratio, or None."""
+    floor: float | None = setting(_checks.optional(_checks.positive))
+    """The lower bound on the ratio where it is taken (not on the fallback 1), or None."""
+    max_weight_norm: float | None = setting(_checks.optional(_checks.positive))
+    r"""The cap on :math:`\|w\|` in the ratio (LAMB's :math:`\phi`), or None."""
+    bias_correction: bool = setting(_checks.boolean)
+    """False: the ratio of, and the step along, a torch Adam's update without its bias
+    correction."""
 
 
 def trust_ratios(w_norm: Tensor, u_norm: Tensor, settings: TrustRatioSettings) -> Tensor:
@@ -53,16 +70,21 @@ def trust_ratios(w_norm: Tensor, u_norm: Tensor, settings: TrustRatioSettings) -
     with ``torch.where``, never a Python branch on a value: nothing is read back to the host.
 
     Example:
-        >>> settings = TrustRatioSettings(threshold=0.0, eps=0.0, trust_coefficient=1.0, clip=None)
+        >>> settings = TrustRatioSettings(
+        ...     threshold=0.0, eps=0.0, trust_coefficient=1.0, clip=None, floor=None,
+        ...     max_weight_norm=None, bias_correction=True,
+        ... )
         >>> trust_ratios(torch.tensor([3.0, 0.0, 2.0]), torch.tensor([6.0, 1.0, 0.0]), settings)
         tensor([0.5000, 1.0000, 1.0000])
     """
     denominator = u_norm + settings.eps if settings.eps != 0 else u_norm
-    ratio = w_norm / denominator
+    # The fallback below tests the unclamped norm: a clamp keeps a nonzero norm nonzero.
+    phi = w_norm if settings.max_weight_norm is None else w_norm.clamp(max=settings.max_weight_norm)
+    ratio = phi / denominator
     if settings.trust_coefficient != 1:
         ratio = ratio * settings.trust_coefficient
-    if settings.clip is not None:
-        ratio = torch.clamp(ratio, max=settings.clip)
+    if settings.clip is not None or settings.floor is not None:
+        ratio = torch.clamp(ratio, min=settings.floor, max=settings.clip)
     # A zero update stays zero whatever the ratio, and a non-finite one stays non-finite: the
     # ratio 1 leaves the optimizer's result exactly as it is (a skipped AMP step included).
     scaled = (w_norm > settings.threshold) & (u_norm > 0)
@@ -103,8 +125,79 @@ def trust_ratio_unit_(
     assert norms is not None  # the base computes them for every hook on the updates
     w_norm, d_norm = norms
     step = lr.to(d_norm) if isinstance(lr, Tensor) else lr
+    if not settings.bias_correction:
+        return _uncorrected_unit_(params, reverts, settings, step, norms, foreach)
     ratios = trust_ratios(w_norm, d_norm / step, settings)  # type: ignore[operator]
     rescale_updates_(params, reverts, ratios, foreach)
+    return ratios
+
+
+# The optimizer whose step the hook is finishing, for the units that read its state.
+_STEPPING: contextvars.ContextVar[torch.optim.Optimizer] = contextvars.ContextVar("stepping")
+
+
+def uncorrection_factors(optimizer: torch.optim.Optimizer, params: list[Tensor]) -> Tensor:
+    r"""``(1 - beta1**t) / sqrt(1 - beta2**t)`` for each parameter, after its step ``t``.
+
+    The factor that turns torch Adam's bias-corrected step direction back into the
+    uncorrected one: with ``eps = 0``, :math:`\hat m / \sqrt{\hat v} = c\, m / \sqrt v` with
+    :math:`c = \sqrt{1 - \beta_2^t} / (1 - \beta_1^t)`, and this is :math:`1 / c`. Computed
+    from the state's ``step`` tensors where they live, in float64 (as torch computes the
+    correction on the host), without reading a value back.
+    """
+    first = params[0]
+    group = next(g for g in optimizer.param_groups if any(p is first for p in g["params"]))
+    steps = [optimizer.state[p]["step"] for p in params]
+    t = torch.stack([torch.as_tensor(s).to(torch.float64) for s in steps])
+    # Python betas straight to float64: through a float32 tensor, 0.999 would become 0.99900001.
+    beta1, beta2 = (
+        torch.as_tensor(b, dtype=torch.float64, device=t.device) for b in group["betas"]
+    )
+    return (1 - beta1**t) / torch.sqrt(1 - beta2**t)
+
+
+def _uncorrected_unit_(
+    params: list[Tensor],
+    reverts: list[Tensor],
+    settings: TrustRatioSettings,
+    lr: float | Tensor | None,
+    norms: tuple[Tensor, Tensor],
+    foreach: bool | None,
+) -> Tensor:
+    r"""The trust ratio on the step a torch Adam would take without bias correction.
+
+    With :math:`\rho = w_{old} - w_{new} = lr\,(wd\,w_{old} + c\,a)` (decoupled decay;
+    :math:`wd = 0` for L2 decay, which is inside :math:`a`) and :math:`k = 1 / c`,
+    :math:`\delta = k\rho + lr\,wd\,(1 - k)\,w_{old} = lr\,(a + wd\,w_{old})`, and
+    :math:`w = w_{old} - r\delta` with :math:`r` from :math:`\|\delta\| / lr`. Works in
+    place: ``params`` become :math:`w_{old}`, ``reverts`` :math:`\delta`, then the result.
+    """
+    assert lr is not None  # _check_group refuses a group without a learning rate
+    optimizer = _STEPPING.get()
+    group = next(g for g in optimizer.param_groups if any(p is params[0] for p in g["params"]))
+    w_norm, d_norm = norms
+    # A zero update (a skipped fused AMP step, whose step count is back at t - 1, maybe 0
+    # where the factor is 0 / 0) stays zero: k = 1 leaves it, decay term and all.
+    k = torch.where(d_norm > 0, uncorrection_factors(optimizer, params).to(w_norm), 1.0)
+    decay = group["weight_decay"] if group.get("decoupled_weight_decay", False) else 0.0
+    if foreach is False:
+        for param, revert, factor in zip(params, reverts, k.unbind(0), strict=True):
+            param.add_(revert)
+            revert.mul_(factor)
+            if decay != 0:
+                revert.add_(param * (lr * decay * (1 - factor)))
+    else:
+        compat.foreach_add_(params, reverts)
+        compat.foreach_mul_(reverts, list(k.unbind(0)))
+        if decay != 0:
+            compat.foreach_addcmul_(reverts, params, list((lr * decay * (1 - k)).unbind(0)))
+    ratios = trust_ratios(w_norm, euclidean_norms(reverts, foreach) / lr, settings)
+    factors = list((-ratios).to(params[0].dtype).unbind(0))
+    if foreach is False:
+        for param, revert, factor in zip(params, reverts, factors, strict=True):
+            param.addcmul_(revert, factor)
+    else:
+        compat.foreach_addcmul_(params, reverts, factors)
     return ratios
 
 
@@ -117,10 +210,12 @@ class TrustRatio(StepHook, TrustRatioSettings):
     .. math::
 
         u = -\Delta / lr, \qquad
-        r = \min\!\left(\frac{\eta\,\|w_{old}\|}{\|u\| + \epsilon}, \text{clip}\right), \qquad
+        r = \operatorname{clamp}\!\left(\frac{\eta\,\phi(\|w_{old}\|)}{\|u\| + \epsilon},
+            \text{floor}, \text{clip}\right), \qquad
         w \leftarrow w_{old} + r\,\Delta,
 
-    with :math:`r = 1` (the optimizer's update, untouched) where
+    with :math:`\phi(z) = \min(z, \text{max\_weight\_norm})` (LAMB's :math:`\phi`; the
+    identity by default), and :math:`r = 1` (the optimizer's update, untouched) where
     :math:`\|w_{old}\| \le` ``threshold`` or :math:`\|u\| = 0` (a zero update, a skipped AMP
     step), and norms of whole tensors (of the full tensor for DTensor shards).
     :math:`u` is the optimizer's step direction, decoupled weight decay included; dividing by
@@ -131,34 +226,27 @@ class TrustRatio(StepHook, TrustRatioSettings):
 
     With ``torch.optim.AdamW(weight_decay=wd)``,
     :math:`u = \hat m / (\sqrt{\hat v} + \epsilon_{Adam}) + wd\, w`, and this is LAMB as
-    timm's ``Lamb`` and apex's ``FusedLAMB`` compute it:
+    timm's ``Lamb`` and apex's ``FusedLAMB`` compute it (their defaults; groups with
+    ``weight_decay=0`` opt out with ``"trust": False``). The LAMBs that never correct the
+    moments (the paper's v3, torch-optimizer's and pytorch-lamb's ``Lamb``, DeepSpeed's
+    ``FusedLamb``, pytorch-optimizer's) take ``bias_correction=False``, which works on
+    ``torch.optim.Adam`` and ``AdamW`` only: it reads each parameter's ``step`` from the
+    optimizer's state and the group's ``betas``, and takes the ratio of, and the step along,
 
-    ============================  =====================================================
-    LAMB variant                  with TrustRatio
-    ============================  =====================================================
-    timm ``Lamb`` (defaults:      ``AdamW(betas, eps, weight_decay)`` + ``TrustRatio()``
-    decay added to ``u``, bias    and ``"trust": False`` on groups with
-    correction, no ratio where    ``weight_decay=0`` (``always_adapt=True``: no
-    ``weight_decay=0``)           opt-out); its ``max_grad_norm`` clipping is not part
-                                  of it (``clip_grad_norm_`` before the step is close);
-                                  ``trust_clip=True`` is ``clip=1.0``
-    timm ``decoupled_decay=True`` not reproduced: it decays ``w`` first and takes the
-                                  ratio of the decayed ``w`` and an update without decay
-    apex ``FusedLAMB`` (NVLAMB,   as timm's defaults (``use_nvlamb=True``: no opt-out);
-    ``adam_w_mode=True``)         its global gradient clipping likewise left out
-    apex ``adam_w_mode=False``    ``Adam(weight_decay=wd)`` + ``TrustRatio()``: the L2
-                                  term enters the moments, not ``u``
-    paper v1 (arXiv:1904.00962)   AdamW + TrustRatio: bias correction, decay in ``u``,
-                                  :math:`r = \|w\| / \|u\|`
-    paper v3                      no bias correction (torch's Adam always corrects:
-                                  needs an optimizer without it) and
-                                  :math:`\phi(\|w\|)` for :math:`\|w\|`
-    paper v5 (final)              bias correction again and :math:`\phi(\|w\|)`, a
-                                  clipping of the weight norm; ``clip`` caps the ratio
-                                  instead and ``threshold`` leaves small weights alone
-    optax ``chain(..., scale_by_  the same formula, ``eps`` included; optax has no
-    trust_ratio(), scale(-lr))``  ``threshold`` or ``clip``
-    ============================  =====================================================
+    .. math::
+
+        \delta = \frac{\rho}{c} + lr\, wd \left(1 - \frac{1}{c}\right) w_{old}
+               = lr\left(\frac{m}{\sqrt v + \epsilon_{Adam}\sqrt{1 - \beta_2^t}}
+                 + wd\, w_{old}\right),
+        \qquad c = \frac{\sqrt{1 - \beta_2^t}}{1 - \beta_1^t},
+
+    with :math:`\rho = -\Delta` (:math:`wd` the decoupled decay; 0 for Adam's L2 decay, which
+    is inside :math:`m` and :math:`v`): :math:`w \leftarrow w_{old} - r\delta`, :math:`r`
+    from :math:`\|\delta\| / lr`, and :math:`r = 1` still where the ratio falls back, so a
+    zero weight takes the uncorrected Adam step those LAMBs take. ``eps`` cannot be mapped
+    after the fact: the peers add theirs to :math:`\sqrt v`, so an ``AdamW`` eps of
+    :math:`\epsilon / \sqrt{1 - \beta_2^t}` at step :math:`t` (or ``eps=0``) reproduces them.
+    docs/migrating/lamb.md gives the call for each peer, with the differences measured.
 
     With ``torch.optim.SGD(momentum)`` it is optax's ``chain(trace(momentum),
     scale_by_trust_ratio(), scale(-lr))``.
@@ -180,7 +268,8 @@ class TrustRatio(StepHook, TrustRatioSettings):
     parameters and train in low precision under ``torch.autocast``.
 
     Param groups can opt out (``"trust": False``) or override a setting for themselves with
-    ``"trust_threshold"``, ``"trust_eps"``, ``"trust_coefficient"`` or ``"trust_clip"``. The
+    ``"trust_threshold"``, ``"trust_eps"``, ``"trust_coefficient"``, ``"trust_clip"``,
+    ``"trust_floor"``, ``"trust_max_weight_norm"`` or ``"trust_bias_correction"``. The
     ratios of the last step are in :attr:`last_ratios`. Closures work (the hook evaluates
     the closure, as every :class:`~normhooks._step_hook.StepHook` does); under
     :class:`torch.amp.GradScaler` a skipped step stays skipped: a non-fused optimizer's step
@@ -189,17 +278,27 @@ class TrustRatio(StepHook, TrustRatioSettings):
     set of process groups for all of them. One TrustRatio per optimizer.
 
     Args:
-        threshold: parameters whose norm is at most this keep the optimizer's update (r = 1).
+        threshold: parameters whose norm is at most this keep the optimizer's update (r = 1);
+            ``math.inf`` for every parameter.
         eps: added to :math:`\|u\|` in the denominator.
         trust_coefficient: :math:`\eta`, multiplies the ratio.
         clip: an upper bound on the ratio (timm's ``trust_clip=True`` is ``clip=1.0``), or
             None for no bound.
+        floor: a lower bound on the ratio where it is taken (DeepSpeed's ``min_coeff``), or
+            None; at most ``clip``.
+        max_weight_norm: the cap on :math:`\|w\|` in the ratio (torch-optimizer's
+            ``clamp_value``, pytorch-lamb's and pytorch-optimizer's 10), or None. The paper
+            bounds :math:`\phi` below too (:math:`\gamma_l`), which no PyTorch peer does and
+            this does not offer.
+        bias_correction: False takes the ratio of the update ``torch.optim.Adam``/``AdamW``
+            would take without bias correction, and steps along it (see above).
         foreach: True or None take multi-tensor ops, False one tensor at a time; the norms
             of long CPU tensors are taken row by row either way (see :func:`~normhooks.lars_`).
 
     References:
         You et al., Large Batch Optimization for Deep Learning: Training BERT in 76 Minutes,
-        arXiv:1904.00962 (v1, v3 and v5 differ as above).
+        arXiv:1904.00962 (v1 corrects the moments, v3 does not, v5 does again; v3 and v5
+        bound the weight norm by :math:`\phi`).
 
     Example:
         >>> model = torch.nn.Linear(3, 2)
@@ -225,6 +324,9 @@ class TrustRatio(StepHook, TrustRatioSettings):
         *,
         trust_coefficient: float = 1.0,
         clip: float | None = None,
+        floor: float | None = None,
+        max_weight_norm: float | None = None,
+        bias_correction: bool = True,
         foreach: bool | None = None,
     ) -> None:
         super().__init__(
@@ -232,10 +334,38 @@ class TrustRatio(StepHook, TrustRatioSettings):
             eps=eps,
             trust_coefficient=trust_coefficient,
             clip=clip,
+            floor=floor,
+            max_weight_norm=max_weight_norm,
+            bias_correction=bias_correction,
             foreach=foreach,
         )
+        _check_bounds(self, "floor", "clip")
+        # The optimizers whose state a unit reads (bias_correction=False in some group).
+        self._reads_state: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
+
+    def _group_settings(
+        self, optimizer: torch.optim.Optimizer, group: Mapping[str, Any], index: int
+    ) -> Any:
+        settings = super()._group_settings(optimizer, group, index)
+        if isinstance(settings, TrustRatioSettings) and not settings.bias_correction:
+            _check_adam(optimizer, group, index)
+            self._reads_state.add(optimizer)
+        return settings
+
+    def _after_step(
+        self, optimizer: torch.optim.Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> None:
+        if optimizer not in self._reads_state:
+            super()._after_step(optimizer, args, kwargs)
+            return
+        token = _STEPPING.set(optimizer)
+        try:
+            super()._after_step(optimizer, args, kwargs)
+        finally:
+            _STEPPING.reset(token)
 
     def _check_group(self, group: Mapping[str, Any], settings: TrustRatioSettings) -> str | None:
+        _check_bounds(settings, "trust_floor", "trust_clip")
         lr = group.get("lr")
         if not isinstance(lr, Tensor) and (
             isinstance(lr, bool) or not isinstance(lr, (int, float)) or not 0 <= lr < float("inf")
@@ -262,3 +392,27 @@ class TrustRatio(StepHook, TrustRatioSettings):
         """The ratios of the last step: one 1-D tensor per param group (empty where the
         group opts out or has no gradient), on the parameters' device."""
         return self._last_values
+
+
+def _check_bounds(settings: TrustRatioSettings, floor: str, clip: str) -> None:
+    if settings.floor is not None and settings.clip is not None and settings.floor > settings.clip:
+        raise ValueError(
+            f"{floor} must be at most {clip}, got {floor}={settings.floor} and "
+            f"{clip}={settings.clip}"
+        )
+
+
+def _check_adam(optimizer: torch.optim.Optimizer, group: Mapping[str, Any], index: int) -> None:
+    """``bias_correction=False`` undoes torch Adam's own correction: refuse anything else."""
+    if not isinstance(optimizer, torch.optim.Adam):
+        raise ValueError(
+            f"param group {index}: bias_correction=False undoes the bias correction of "
+            "torch.optim.Adam or AdamW, whose step rule it inverts, but the optimizer is "
+            f"{type(optimizer).__name__}"
+        )
+    dtensor = compat.dtensor_type()
+    if dtensor is not None and any(isinstance(p, dtensor) for p in group["params"]):
+        raise ValueError(
+            f"param group {index}: bias_correction=False takes the norms of local tensors "
+            'and does not support DTensor parameters; set "trust_bias_correction": True'
+        )

@@ -2,12 +2,13 @@
 
 Each mapping the migration guide states is trained side by side for a few steps in float64 and
 compared to float rounding; where pytorch-optimizer differs (its default Lamb, its agc's unit
-for 3-D weights), the test pins down how.
+for 3-D weights), the test pins down how. Its Lamb's other modes are in test_peers_lamb.py.
 """
 
 from __future__ import annotations
 
 import copy
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -22,17 +23,21 @@ BETAS = (0.9, 0.999)
 STEPS = 5
 
 
-def model() -> nn.Sequential:
+def model(zero_bias: bool = False) -> nn.Sequential:
     # The last weight has shape (1, 16): two dimensions, only one longer than 1.
-    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1)).double()
+    net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1)).double()
+    if zero_bias:  # a zero weight, where LAMB's ratio falls back to 1
+        nn.init.zeros_(net[0].bias)
+    return net
 
 
 def train_side_by_side(
     make_theirs: Callable[[nn.Module], torch.optim.Optimizer],
     make_ours: Callable[[nn.Module], torch.optim.Optimizer],
     schedule: Callable[[torch.optim.Optimizer], Any] | None = None,
+    zero_bias: bool = False,
 ) -> tuple[nn.Module, nn.Module]:
-    theirs = model()
+    theirs = model(zero_bias)
     ours = copy.deepcopy(theirs)
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(32, 8, generator=generator, dtype=torch.float64)
@@ -94,20 +99,38 @@ def test_lars_is_sgd_with_gradient_lars(options: dict[str, Any]) -> None:
 
 
 def adam_with_trust_ratio(net: nn.Module) -> torch.optim.Optimizer:
+    # Lamb never corrects its moments, and clamps each weight's norm at Lamb.clamp = 10.
     optimizer = torch.optim.Adam(net.parameters(), lr=1e-2, betas=BETAS, eps=0.0)
-    TrustRatio().attach(optimizer)
+    TrustRatio(bias_correction=False, max_weight_norm=Lamb.clamp).attach(optimizer)
     return optimizer
 
 
-def test_lamb_with_adam_debias_is_adam_with_trust_ratio() -> None:
-    # Exact with eps=0 and weight_decay=0 (see the migration guide for why only then), while
-    # every weight's norm stays below Lamb's clamp of 10.
+def test_lamb_with_adam_debias_is_adam_with_the_uncorrected_trust_ratio() -> None:
+    # Exact with eps=0 and weight_decay=0 (see the migration guide for the other cases),
+    # zero weights included.
     theirs, ours = train_side_by_side(
         lambda net: Lamb(net.parameters(), lr=1e-2, betas=BETAS, eps=0.0, adam_debias=True),
         adam_with_trust_ratio,
+        zero_bias=True,
     )
-    assert max(p.norm() for p in theirs.parameters()) < Lamb.clamp
     assert_trained_alike(theirs, ours)
+
+
+def test_lamb_moves_a_zero_weight_by_the_uncorrected_step() -> None:
+    # Where the ratio falls back to 1, Lamb takes lr * m / sqrt(v), at step 1
+    # lr * (1 - beta1) / sqrt(1 - beta2) per entry, where torch's Adam (and so a TrustRatio
+    # that keeps its bias correction) takes lr: why bias_correction=False is needed.
+    zero = nn.Parameter(torch.zeros(3, dtype=torch.float64))
+    zero.grad = torch.tensor([1.0, -2.0, 0.5], dtype=torch.float64)
+    Lamb([zero], lr=1e-2, betas=BETAS, eps=0.0, adam_debias=True).step()
+    uncorrected = 1e-2 * (1 - BETAS[0]) / math.sqrt(1 - BETAS[1])
+    torch.testing.assert_close(zero.detach(), -uncorrected * zero.grad.sign())
+    corrected = nn.Parameter(torch.zeros(3, dtype=torch.float64))
+    corrected.grad = zero.grad.clone()
+    optimizer = torch.optim.Adam([corrected], lr=1e-2, betas=BETAS, eps=0.0)
+    TrustRatio().attach(optimizer)
+    optimizer.step()
+    torch.testing.assert_close(corrected.detach(), -1e-2 * zero.grad.sign())
 
 
 def test_default_lamb_divides_the_learning_rate_by_the_first_moments_correction() -> None:
@@ -120,6 +143,7 @@ def test_default_lamb_divides_the_learning_rate_by_the_first_moments_correction(
         lambda net: Lamb(net.parameters(), lr=1e-2, betas=BETAS, eps=0.0),
         adam_with_trust_ratio,
         schedule=corrected,
+        zero_bias=True,
     )
     assert_trained_alike(theirs, ours)
 

@@ -85,6 +85,8 @@ def _rate(  # type: ignore[no-untyped-def]
     clip: tl.constexpr,
     lr_is_tensor: tl.constexpr,
     zero_denominator_is_one: tl.constexpr,
+    zero_grad_is_one: tl.constexpr,
+    zero_grad_is_zero: tl.constexpr,
     scaled: tl.constexpr,
 ):
     w_norm = sqrt(w_squares, acc)
@@ -108,7 +110,13 @@ def _rate(  # type: ignore[no-untyped-def]
     keep = w_norm > as_float(threshold, acc)
     if zero_denominator_is_one:
         keep = keep & (denominator > 0.0)
-    return tl.where(keep, rate, 1.0).to(acc)
+    rate = tl.where(keep, rate, 1.0)
+    # Where ||g|| = 0: rate 1 for zero_grad_mode="decay", 0 for "skip" (else the formula).
+    if zero_grad_is_one:
+        rate = tl.where(g_norm == 0.0, 1.0, rate)
+    if zero_grad_is_zero:
+        rate = tl.where(g_norm == 0.0, 0.0, rate)
+    return rate.to(acc)
 
 
 @triton.jit(do_not_specialize=["threshold", "weight_decay", "eps", "trust_coefficient", "lr"])
@@ -139,6 +147,8 @@ def _squares_and_rates(  # type: ignore[no-untyped-def]
     clip: tl.constexpr,
     lr_is_tensor: tl.constexpr,
     zero_denominator_is_one: tl.constexpr,
+    zero_grad_is_one: tl.constexpr,
+    zero_grad_is_zero: tl.constexpr,
     scaled: tl.constexpr,
 ):
     chunk, tensor, start, numel, w, g = _chunk(
@@ -200,6 +210,8 @@ def _squares_and_rates(  # type: ignore[no-untyped-def]
             clip,
             lr_is_tensor,
             zero_denominator_is_one,
+            zero_grad_is_one,
+            zero_grad_is_zero,
             scaled,
         )
         tl.store(rates + tensor, rate)
@@ -446,16 +458,19 @@ def lars_unit_(
     clip: bool,
     grad_scale: Tensor | None,
     found_inf: Tensor | None,
+    zero_grad_mode: str = "scale",
 ) -> Tensor:
     r"""Rewrites each ``grads[i]`` in place as :math:`r_i\,(g_i / s + \beta w_i)`, in two launches.
 
     The rate is the eager one: :math:`\lambda = \|w\| / ((\|g\| + \epsilon) + \beta \|w\|)`
     times ``trust_coefficient``, then :math:`\min(\lambda / lr, 1)` with ``clip``, and 1
     where :math:`\|w\| \le` ``threshold`` or, with ``eps == weight_decay == 0``, where the
-    denominator is 0. With ``grad_scale`` (:math:`s`, a GradScaler's scale) the gradients
-    arrive scaled: norms use :math:`g / s` and the written gradients are unscaled. With
-    ``found_inf`` (a 1-element float32 tensor), it is set to 1 if any written value is not
-    finite, and left alone otherwise. float16/bfloat16 are computed in float32 and rounded once.
+    denominator is 0; where :math:`\|g\| = 0`, ``zero_grad_mode="decay"`` makes it 1 and
+    ``"skip"`` 0 (a zero gradient stays zero). With ``grad_scale`` (:math:`s`, a GradScaler's
+    scale) the gradients arrive scaled: norms use :math:`g / s` and the written gradients are
+    unscaled. With ``found_inf`` (a 1-element float32 tensor), it is set to 1 if any written
+    value is not finite, and left alone otherwise. float16/bfloat16 are computed in float32 and
+    rounded once.
 
     Steady state: no host synchronization. The table of addresses is built on first use of a
     set of tensors (one host-to-device copy, from pinned memory) and reused while the tensors
@@ -476,6 +491,7 @@ def lars_unit_(
         clip: LARC's clipping mode; ignored when ``lr`` is None.
         grad_scale: the scale the gradients carry, or None.
         found_inf: the overflow flag to raise, or None.
+        zero_grad_mode: ``"scale"``, ``"decay"`` or ``"skip"``, as in :func:`normhooks.lars_`.
 
     Returns:
         The rates, 1-D, one per tensor, in float32 for half dtypes and in the dtype otherwise.
@@ -518,6 +534,8 @@ def lars_unit_(
         clipping,
         lr_is_tensor,
         eps == 0 and weight_decay == 0,
+        zero_grad_mode == "decay",
+        zero_grad_mode == "skip",
         grad_scale is not None,
     )
     with on_device(device_index(device)):

@@ -93,7 +93,7 @@ def _conversion_step(
             f"{where} is a {own}, whose forward standardizes whatever weight it is given: "
             + refusal
         )
-    found = torch_weight_norm(module, name)
+    found = technique.torch_counterpart(module, name)
     if found is not None:
         step = technique.take_over(module, name, found, strict)
         if step is not None:

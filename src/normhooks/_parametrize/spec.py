@@ -16,7 +16,7 @@ from normhooks._parametrize.checks import check_ndim, checked_tensor
 from normhooks._parametrize.layers import describe, originals, parametrizations_of
 from normhooks._parametrize.lazy import pending
 from normhooks._parametrize.registration import Companions, Step, Undo, materialized, register
-from normhooks._parametrize.takeover import is_torch_legacy_weight_norm
+from normhooks._parametrize.takeover import is_torch_legacy_weight_norm, torch_weight_norm
 
 L = TypeVar("L")
 
@@ -83,6 +83,11 @@ class Technique(ABC, Generic[L]):
             f"the scale {self.what} gives the weight is standardized away. Leave it out "
             "(layer_types selects subclasses too: name only the classes to convert)"
         )
+
+    def torch_counterpart(self, module: nn.Module, name: str) -> Any:
+        """What of torch's own on ``module.<name>`` :meth:`take_over` is handed, or None: torch's
+        weight norm (:func:`torch_weight_norm`), unless a technique looks for its own."""
+        return torch_weight_norm(module, name)
 
     def take_over(self, module: nn.Module, name: str, found: Any, strict: bool) -> Step | None:
         """The step that replaces torch's weight norm ``found`` on ``module.<name>``, or None to

@@ -25,6 +25,7 @@ class HookCore:
     technique: ClassVar[str]
     rewrites: ClassVar[Literal["gradients", "updates"]] = "gradients"
     scaled_gradients: ClassVar[bool] = False
+    full_shapes: ClassVar[bool] = False
     row_wise: ClassVar[bool] = False
     whole_norms: ClassVar[bool] = True
     _settings_class: ClassVar[type[Settings]]

@@ -171,6 +171,12 @@ def _reduce_norms_(
         bound[i].norms = (first, second)
 
 
+def _full_shapes(bound: _Bound) -> list[torch.Size]:
+    """The shapes of ``bound``'s parameters as whole tensors (a DTensor's, not its shard's)."""
+    full = dict(zip(bound.unit.positions, bound.unit.params, strict=True))
+    return [full[position].shape for position in bound.positions]
+
+
 def _in_order(per_unit: list[tuple[list[int], Tensor]]) -> Tensor:
     """The units' values as one tensor in the order of their positions, on the first unit's
     device."""

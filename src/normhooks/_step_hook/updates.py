@@ -20,7 +20,7 @@ from normhooks._step_hook.core import HookCore
 from normhooks._step_hook.norms import euclidean_norms
 from normhooks._step_hook.plan import _GroupPlan
 from normhooks._step_hook.settings import Lr, Settings
-from normhooks._step_hook.units import _Bound, _in_order, sum_over_shards
+from normhooks._step_hook.units import _Bound, _full_shapes, _in_order, sum_over_shards
 
 
 @dataclass
@@ -96,8 +96,9 @@ class UpdateRun(HookCore):
             for (settings, lr), of_group in zip(pending.jobs, pending.bound, strict=True):
                 per_unit = []
                 for b in of_group:
+                    extra = {"shapes": _full_shapes(b)} if self.full_shapes else {}
                     values = type(self)._unit_(
-                        b.params, b.sources, settings, lr, norms=b.norms, foreach=foreach
+                        b.params, b.sources, settings, lr, norms=b.norms, foreach=foreach, **extra
                     )
                     if values is not None:
                         per_unit.append((b.positions, values))
