@@ -47,7 +47,8 @@ BUILT_BEFORE = (
     r"SGD holds the Parameter Conv2d\.weight had before .* the optimizer was built before"
 )
 UNTRAINED = (
-    r"SGD holds Conv2d\.weight but not what .* no optimizer has trained those over two steps"
+    r"SGD holds Conv2d\.weight but not the Parameters added when .* was applied to it .* no "
+    "optimizer has trained those"
 )
 REFUSAL = {"wn": BUILT_BEFORE, "scaled-ws": UNTRAINED, "lazy": UNTRAINED}
 

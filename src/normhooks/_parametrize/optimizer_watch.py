@@ -277,11 +277,11 @@ def _untrained_message(
     module = conversion.module()
     layer = _layer(module)
     return (
-        f"{type(optimizer).__name__} holds {layer}.{conversion.name} but not what "
-        f"{conversion.what} added to it ({_listed(module, missing)}), and no optimizer has "
-        "trained those over two steps: they would never train. Either this optimizer was "
-        "built before the conversion, or the optimizer meant for them has not stepped yet "
-        "(one made after a warm-up): they cannot be told apart. Add them with "
+        f"{type(optimizer).__name__} holds {layer}.{conversion.name} but not the Parameters "
+        f"added when {conversion.what} was applied to it ({_listed(module, missing)}), and "
+        "no optimizer has trained those over two steps: they would never train. Either "
+        "this optimizer was built before the conversion, or the optimizer meant for them has "
+        "not stepped yet (one made after a warm-up): they cannot be told apart. Add them with "
         "optimizer.add_param_group({'params': [...]}) or to an optimizer that steps now; to "
         "train them only later, set their requires_grad=False until their optimizer starts"
     )
