@@ -31,11 +31,12 @@ from normhooks._step_hook import (
     _Bound,
     _GroupPlan,
     _hooks_on,
-    _Pending,
     _reduce_key,
+    _UpdateInFlight,
     row_norms,
     setting,
 )
+from normhooks._step_hook.core import HookCore
 
 __all__ = ["Hypersphere", "onto_sphere_", "sphere_norms"]
 
@@ -213,7 +214,7 @@ class Hypersphere(StepHook, HypersphereSettings):
         jobs: list[tuple[Settings | None, float | Tensor | None]] = [
             (group_plan.settings, None) for group_plan in plan
         ]
-        self._pending[optimizer] = _Pending(bound, jobs, [])
+        self._pending[optimizer] = _UpdateInFlight(bound, jobs, [])
 
     def _after_step(
         self, optimizer: torch.optim.Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -264,7 +265,7 @@ def _refuse_update_hooks_after(sphere: Hypersphere, optimizer: torch.optim.Optim
             )
 
 
-def _share_a_matrix(sphere: StepHook, other: StepHook, optimizer: torch.optim.Optimizer) -> bool:
+def _share_a_matrix(sphere: HookCore, other: HookCore, optimizer: torch.optim.Optimizer) -> bool:
     """Whether a param group that neither hook opts out of holds a tensor of two or more
     dimensions (the opt-out flags are checked as bools when each hook plans the group)."""
     return any(

@@ -136,8 +136,3 @@ __all__ = [
 ]
 
 _hooks_on = hooks_on
-
-# The name hypersphere.py imports (the update hook's state between its pre- and post-step,
-# once called _Pending): kept until it imports _UpdateInFlight, so that _Pending has one
-# meaning, the lazy layers' placeholders in normhooks._parametrize.
-_Pending = _UpdateInFlight
