@@ -287,7 +287,7 @@ def test_after_interrupted_forward_a_dtype_change_is_seen(
 def test_after_interrupted_forward_a_layer_called_alone_uses_its_weight_now(
     kind: str, error: type[BaseException], route: str
 ) -> None:
-    model, plain = interrupted(kind, error)
+    model, _ = interrupted(kind, error)
     with torch.no_grad():
         main_original(model[0]).data.mul_(-2.0)
     layer = model[0]
