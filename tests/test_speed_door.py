@@ -10,7 +10,10 @@ with Triton's interpreter), and compares with the formulas written out in float6
 from __future__ import annotations
 
 import copy
+import importlib
 import os
+import re
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -19,18 +22,21 @@ import torch
 from torch import Tensor, nn
 from torch.nn.utils import parametrize
 
-from kernel_cases import wn_reference, ws_reference
+from kernel_cases import lars_reference, wn_reference, ws_reference
 from normhooks import (
     ScaledWeightStandardization,
     WeightNorm,
     _kernels,
     apply_weight_norm,
     apply_weight_standardization,
+    lars_,
     remove_weight_norm,
     remove_weight_standardization,
+    set_kernels_enabled,
     weight_norm,
     weight_standardization,
 )
+from normhooks._kernels import _fallback, _scope
 
 GAMMA = 1.3
 ROUTED = os.environ.get("TRITON_INTERPRET") == "1" and _kernels._triton_found()
@@ -416,3 +422,155 @@ def test_embedding_with_max_norm_trains_on_the_fused_path(kind: str, route: str)
     for name, layer in parametrized(model):
         for n, t in layer_tensors(layer).items():
             torch.testing.assert_close(t.grad, leaves[name][n].grad, msg=f"{name}.{n}")
+
+
+# --- a kernel that fails on the user's machine -------------------------------------------------
+
+
+@pytest.fixture
+def fresh_fallback() -> Iterator[None]:
+    """The kernels allowed, and no failure recorded, before and after the test."""
+    _fallback.reset()
+    yield
+    _fallback.reset()
+
+
+def failing(*args: object, **kwargs: object) -> None:
+    raise RuntimeError("no kernel image is available for execution on the device")
+
+
+SWITCH = r"NORMHOOKS_KERNELS=0 or call normhooks.set_kernels_enabled\(False\)"
+
+
+def one_warning(record: list[warnings.WarningMessage]) -> None:
+    found = [w for w in record if issubclass(w.category, RuntimeWarning)]
+    assert len(found) == 1, [str(w.message) for w in found]
+    assert re.search(SWITCH, str(found[0].message))
+
+
+@pytest.mark.skipif(not ROUTED, reason="runs the kernels through Triton's interpreter")
+@pytest.mark.usefixtures("fresh_fallback")
+@pytest.mark.parametrize(
+    ("kind", "entry"),
+    [
+        pytest.param("wn-layer", "planned_weight_norm", id="wn-layer"),
+        pytest.param("ws-layer", "planned_standardization", id="ws-layer"),
+        pytest.param("scaled-layer", "planned_standardization", id="scaled-layer"),
+        pytest.param("wn-fused", "fuse_weight_norms", id="wn-fused"),
+        pytest.param("ws-fused", "fuse_standardizations", id="ws-fused"),
+        pytest.param("scaled-fused", "fuse_standardizations", id="scaled-fused"),
+    ],
+)
+def test_a_kernel_that_fails_to_launch_falls_back_to_the_formula_with_one_warning(
+    kind: str, entry: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with _kernels.route_cpu_tensors():
+        model, plain = converted(kind)
+        monkeypatch.setattr(_kernels, entry, failing)
+        with warnings.catch_warnings(record=True) as record:
+            warnings.simplefilter("always")
+            for _ in range(2):
+                model.zero_grad()
+                assert_trains_like_formula(model, plain, inputs())
+        one_warning(record)
+        assert not _kernels.may_launch()
+
+
+@pytest.mark.skipif(not ROUTED, reason="runs the kernels through Triton's interpreter")
+@pytest.mark.usefixtures("fresh_fallback")
+@pytest.mark.parametrize(
+    ("kind", "module"),
+    [
+        pytest.param("wn-layer", "weight_norm", id="wn-layer"),
+        pytest.param("ws-layer", "weight_standardization", id="ws-layer"),
+        pytest.param("wn-fused", "weight_norm", id="wn-fused"),
+        pytest.param("scaled-fused", "weight_standardization", id="scaled-fused"),
+    ],
+)
+def test_a_backward_kernel_that_fails_falls_back_to_the_formula(
+    kind: str, module: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    kernels = importlib.import_module(f"normhooks._kernels.{module}")
+    with _kernels.route_cpu_tensors():
+        model, plain = converted(kind)
+        monkeypatch.setattr(kernels, "_BACKWARD", failing)
+        monkeypatch.setattr(kernels, "_FUSED_BACKWARD", failing)
+        with warnings.catch_warnings(record=True) as record:
+            warnings.simplefilter("always")
+            assert_trains_like_formula(model, plain, inputs())
+        one_warning(record)
+
+
+@pytest.mark.skipif(not ROUTED, reason="runs the kernels through Triton's interpreter")
+@pytest.mark.usefixtures("fresh_fallback")
+def test_a_lars_kernel_that_fails_falls_back_to_the_formula_with_one_warning(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from normhooks._kernels import lars as lars_kernels
+
+    monkeypatch.setattr(lars_kernels, "_SQUARES_AND_RATES", failing)
+    params = [torch.randn(3, 4, dtype=torch.float64), torch.randn(7, dtype=torch.float64)]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    want_rates, want = lars_reference(params, [p.grad for p in params], weight_decay=1e-2)
+    with _kernels.route_cpu_tensors(), warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        rates = lars_(params, weight_decay=1e-2)
+    one_warning(record)
+    torch.testing.assert_close(rates.double(), want_rates)
+    for p, expected_grad in zip(params, want, strict=True):
+        torch.testing.assert_close(p.grad, expected_grad)
+
+
+@pytest.mark.skipif(not ROUTED, reason="runs the kernels through Triton's interpreter")
+@pytest.mark.usefixtures("fresh_fallback")
+def test_turning_the_kernels_on_again_after_a_failure_allows_them_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    with _kernels.route_cpu_tensors():
+        model, _ = converted("wn-layer")
+        with monkeypatch.context() as patch:
+            patch.setattr(_kernels, "planned_weight_norm", failing)
+            with pytest.warns(RuntimeWarning, match=SWITCH):
+                model(inputs())
+        assert not _kernels.may_launch()
+        set_kernels_enabled(True)
+        assert _kernels.may_launch()
+
+
+# --- fuse=False ---------------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(not ROUTED, reason="runs the kernels through Triton's interpreter")
+@pytest.mark.parametrize(
+    "apply",
+    [
+        pytest.param(apply_weight_norm, id="wn"),
+        pytest.param(apply_weight_standardization, id="ws"),
+    ],
+)
+def test_fuse_false_restores_the_per_layer_path(
+    apply: Callable[..., nn.Module], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model = apply(cnn(), fuse=False)
+    assert _scope.fusion_of(model) is None
+    with monkeypatch.context() as patch:
+        for entry in ("fuse_weight_norms", "fuse_standardizations"):
+            patch.setattr(_kernels, entry, failing)
+        with _kernels.route_cpu_tensors(), warnings.catch_warnings():
+            warnings.simplefilter("error")
+            model(inputs()).sum().backward()
+
+
+@pytest.mark.parametrize(
+    "apply",
+    [
+        pytest.param(apply_weight_norm, id="wn"),
+        pytest.param(apply_weight_standardization, id="ws"),
+    ],
+)
+def test_fuse_must_be_a_bool(apply: Callable[..., nn.Module]) -> None:
+    model = cnn()
+    with pytest.raises(TypeError, match="fuse"):
+        apply(model, fuse="no")
+    assert not parametrize.is_parametrized(model[0])
