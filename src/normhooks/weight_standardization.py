@@ -177,10 +177,12 @@ def _standardize(
     groups: int,
     gain: Tensor | None,
     factor: float | None = None,
+    route: _door.Route | None = None,
 ) -> Tensor:
     """:func:`_formula`, through the kernels where they run (a fused kernel each way, the
-    statistics in float32 for halves)."""
-    return _DOOR.standardize(weight, dim, eps, groups, gain, factor)
+    statistics in float32 for halves): every standardization computed, a parametrization's
+    (with its ``route``) and :func:`standardize_weight`'s."""
+    return _DOOR.standardize(weight, dim, eps, groups, gain, factor, route)
 
 
 class WeightStandardization(nn.Module):
@@ -308,7 +310,14 @@ class ScaledWeightStandardization(WeightStandardization):
 
 # The one door to the fast paths (kernels, fused launches): the formula and the checks are
 # this file's, the rest is normhooks._kernels'.
-_DOOR = _door.StandardizationDoor(_formula, WeightStandardization._check, _rows, _unrows)
+_DOOR = _door.StandardizationDoor(
+    # _standardize looked up at each call, so that one function counts every computation.
+    _formula,
+    WeightStandardization._check,
+    _rows,
+    _unrows,
+    lambda *args: _standardize(*args),
+)
 _door.register(WeightStandardization, _DOOR)
 
 

@@ -249,6 +249,9 @@ class StandardizationDoor(Door):
             axis and the gain's factor (None without a gain).
         rows: ``rows(weight, dim, groups)``: the weight as one row per standardized slice,
             and what :func:`unrows` needs to undo it; ``unrows(rows, shape, dim, groups)``.
+        compute: what a parametrization's weight is computed by once its checks passed:
+            ``compute(weight, dim, eps, groups, gain, factor, route)``, the technique's entry
+            into :meth:`standardize` (by default :meth:`standardize` itself).
     """
 
     what = "weight standardization"
@@ -259,16 +262,18 @@ class StandardizationDoor(Door):
         check: Callable[[Any, Tensor, Tensor | None], tuple[int, float | None]],
         rows: Callable[[Tensor, int, int], tuple[Tensor, tuple[int, ...]]],
         unrows: Callable[[Tensor, tuple[int, ...], int, int], Tensor],
+        compute: Callable[..., Tensor] | None = None,
     ) -> None:
         self.formula = formula
         self.check = check
         self.rows = rows
         self.unrows = unrows
+        self.compute: Callable[..., Tensor] = self.standardize if compute is None else compute
 
     def __call__(self, parametrization: Any, weight: Tensor, gain: Tensor | None) -> Tensor:
         route = self.route(parametrization, (weight,) if gain is None else (weight, gain))
         eps, groups = parametrization.eps, parametrization.groups
-        return self.standardize(weight, route.dim, eps, groups, gain, route.factor, route)  # type: ignore[arg-type]
+        return self.compute(weight, route.dim, eps, groups, gain, route.factor, route)
 
     def standardize(
         self,

@@ -4,24 +4,25 @@ A GPU training step of a small model is bound by host time, and a parametrizatio
 layer two kernel launches a step, with the Python around them. :func:`fuse` gives a model a
 forward pre-hook and a forward hook (``always_call=True``) that bracket each forward in a
 *scope*: at its start, the weights of every member (a tensor parametrized by exactly one
-:class:`~normhooks.WeightNorm` or :class:`~normhooks.WeightStandardization`, found when
-:func:`fuse` ran) that the kernels can compute are computed together, one launch per device,
+parametrization with a registered door, ``_door``: :class:`~normhooks.WeightNorm`,
+:class:`~normhooks.WeightStandardization`; found when :func:`fuse` ran) that the kernels can compute are computed together, one launch per device,
 dtype and kind (and one backward), and each is served to its layer for the rest of the
 forward; at its end, the layers compute their weights again at each access. The
 parametrizations, their Parameters and the state-dict keys are the model's as before.
 
 How a weight is served: the member's ``ParametrizationList`` gets an instance ``forward``
 (a :class:`_Served`) for the scope, which torch's parametrized property calls like any
-forward. It returns the fused weight only while the scope is open, the originals are the
-tensors it was computed from, unchanged (same objects and versions), and (on CUDA) the
-current stream is the one it was computed on; otherwise it computes the weight as the layer
-would. Nothing global changes. torch's own ``parametrize.cached()``
+forward. It returns the fused weight only while the scope is open and its forward still runs
+(its frame is on the stack: a scope left open by a ``KeyboardInterrupt``, which
+``always_call`` hooks do not run for, closes at its next access), the tensors it was computed
+from still hold by the one validity rule (``_cache.State``: same objects, versions, memory,
+layouts, ``requires_grad``, found in the same dicts), and (on CUDA) the current stream is the
+one it was computed on; otherwise it computes the weight as the layer would. Nothing global
+changes. torch's own ``parametrize.cached()``
 would be cheaper to serve from, but it keys its cache by the module that registered the
 parametrization, which a deep copy shares with its original (a copy inside the scope would
-be served the original's weight), and a scope left open by a ``KeyboardInterrupt`` (which
-``always_call`` hooks do not run for) would leave every parametrization in the process
-cached; here the next scope of the model closes it, and until then its weights are served
-only while their originals are unchanged.
+be served the original's weight), and a scope left open by a ``KeyboardInterrupt`` would
+leave every parametrization in the process cached.
 
 What each layer computes its own way, as without fusion: everything while compiling,
 tracing, exporting, under ``torch.func`` transforms, dispatch modes, CUDA-graph capture or
@@ -30,7 +31,8 @@ activation checkpointing recomputes the weight in backward the layer's own way, 
 what the forward saved; offloading); originals that are not plain tensors on a device the
 kernels take (FSDP2's DTensors, tensor subclasses, the CPU); layers a fused launch cannot
 take (few long rows, non-contiguous weights, WN with ``dim=None`` or two dtypes, WS of
-another axis or of grouped transposed convolutions); a member that another model's open
+another axis or of grouped transposed convolutions, embeddings with ``max_norm``, whose
+forward writes into the weight); a member that another model's open
 scope serves (a layer shared by two models); and members removed or re-parametrized since
 (checked by identity at each scope). A layer parametrized after :func:`fuse` is found when
 :func:`fuse` runs again; lazy layers, from the forward after their first.
@@ -38,18 +40,20 @@ scope serves (a layer shared by two models); and members removed or re-parametri
 A scope takes the last scope's groups (kernel plans, launches) again where nothing they were
 found from changed: every member current, its settings, and each original the same tensor
 with the same metadata (type, shape, strides, dtype, device, ``requires_grad``; a write
-through ``.data`` changes these without a new version). That reads no tensor's values; the
-values are the served weights' checks (versions), read at each scope and access.
+through ``.data`` changes these without a new version), found in the same dict (a gain
+moved from the Parameters to the buffers is found again). That reads no tensor's values; the
+values are the served weights' checks, read at each scope and access.
 
 Grad mode: where an original requires grad and autograd can record (not in inference mode),
 the fused weights get their graph even under ``no_grad``, so a weight served to code that
 enables grad inside the forward still trains; a member whose originals require no grad gets
 a weight that requires none. One multi-output autograd node computes every member's
 gradients in one launch once all have arrived; a weight its layer never used gets none, and
-its originals get None, as without fusion. Weights changed inside a forward (by the forward
-or its hooks) are seen by the accesses after the change where the change bumped the
-tensors' versions (any in-place op does, a write through ``.data`` does not): as with
-``parametrize.cached()``, change weights outside the forward.
+its originals get None, as without fusion; its backward checks its inputs again (see
+``_fused._Fused``). Weights changed inside a forward (by the forward or its hooks) are seen
+by the accesses after the change, except a write into an original's values through
+``.data``, which changes neither the tensor, its version nor its memory: documented in the
+``apply_*`` functions and docs/caching.md, with ``fuse=False`` as the way out.
 """
 
 from __future__ import annotations
