@@ -5,8 +5,9 @@ layer two kernel launches a step, with the Python around them. :func:`fuse` give
 forward pre-hook and a forward hook (``always_call=True``) that bracket each forward in a
 *scope*: at its start, the weights of every member (a tensor parametrized by exactly one
 parametrization with a registered door, ``_door``: :class:`~normhooks.WeightNorm`,
-:class:`~normhooks.WeightStandardization`; found when :func:`fuse` ran) that the kernels can compute are computed together, one launch per device,
-dtype and kind (and one backward), and each is served to its layer for the rest of the
+:class:`~normhooks.WeightStandardization`; found when :func:`fuse` ran) that the kernels can
+compute are computed together, one launch per device, dtype and kind (and one backward), and
+each is served to its layer for the rest of the
 forward; at its end, the layers compute their weights again at each access. The
 parametrizations, their Parameters and the state-dict keys are the model's as before.
 
