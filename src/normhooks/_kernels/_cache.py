@@ -109,13 +109,17 @@ class State:
 
     __slots__ = ("address", "layout", "requires_grad", "storage", "tensor", "version")
 
-    def __init__(self, tensor: Tensor) -> None:
+    def __init__(self, tensor: Tensor, known: Layout | None = None) -> None:
         self.tensor = tensor
         self.version = tensor._version
         self.address = tensor.data_ptr()
         self.storage = tensor.untyped_storage()
-        self.layout = layout(tensor)
+        self.layout = layout(tensor) if known is None else known
         self.requires_grad = tensor.requires_grad
+
+    def again(self) -> State:
+        """The tensor's state now, where its layout is known to be the one recorded."""
+        return State(self.tensor, self.layout)
 
     def holds(self, tensor: Tensor | None) -> bool:
         """Whether ``tensor`` is the tensor recorded, unchanged: same object, version, memory,

@@ -22,7 +22,8 @@ import torch
 from torch import Tensor
 
 from normhooks._kernels import _fallback
-from normhooks._kernels._cache import KeyedCache, State
+from normhooks._kernels._cache import KeyedCache, layout
+from normhooks._kernels._cache import Layout as TensorLayout
 from normhooks._kernels._common import (
     DeviceTable,
     acc_dtype,
@@ -128,6 +129,11 @@ class FusedPlan(abc.ABC, Generic[P]):
         self.layers, self.row_layers = self.table.parts
         self.constexprs = (tl_dtype(values.dtype), acc_dtype(values.dtype), block, FIELDS)
         self.plans = plans
+        # The inputs' layouts, which the layers' plans were made for (a backward whose inputs
+        # changed layout since cannot use them).
+        self.layouts: tuple[TensorLayout | None, ...] = tuple(
+            [None if t is None else layout(t) for t in tensors]
+        )
         # Where the inputs were when this plan was found (set by find): its table's addresses.
         self.addresses: tuple[int, ...] = ()
         # The compiled kernels this plan launches, by the alignment of their pointers.
@@ -189,16 +195,16 @@ def formula_grads(
         return [next(found) if t is not None and t.requires_grad else None for t in pair]
 
 
-def check_unmodified(states: Sequence[State | None]) -> None:
+def check_unmodified(inputs: Sequence[tuple[Tensor | None, int]]) -> None:
     """Raises autograd's own error where an input needed for a gradient was written in place
-    since the forward (the fused node keeps its inputs itself, see :class:`_Fused`)."""
-    for saved in states:
-        if saved is not None and saved.modified():
-            tensor = saved.tensor
+    since the forward (the fused node keeps its inputs itself, see :class:`_Fused`): each
+    input with its version at the forward."""
+    for tensor, version in inputs:
+        if tensor is not None and tensor._version != version:
             raise RuntimeError(
                 "one of the variables needed for gradient computation has been modified by an "
                 f"inplace operation: [{tensor.type()} {list(tensor.shape)}] is at version "
-                f"{tensor._version}; expected version {saved.version} instead (an original "
+                f"{tensor._version}; expected version {version} instead (an original "
                 "of a weight that normhooks' fused launch computed, written after that weight "
                 "was used)"
             )
@@ -224,7 +230,8 @@ class _Fused(torch.autograd.Function):
         buffers = plan.buffers()
         ctx.save_for_backward(*buffers)
         ctx.inputs = tensors
-        ctx.states = [None if t is None else State(t) for t in tensors]
+        # The versions now; the layouts are the plan's (its layers' plans were made for them).
+        ctx.versions = tuple([0 if t is None else t._version for t in tensors])
         plan.table.use_on(current_stream(plan.device))
         forward, _ = plan.kernels()
         forward(
@@ -245,13 +252,14 @@ class _Fused(torch.autograd.Function):
     def backward(ctx: Any, *grads: Tensor | None) -> tuple[Tensor | None, ...]:
         buffers = ctx.saved_tensors
         tensors = ctx.inputs
-        states: list[State | None] = ctx.states
         plan: FusedPlan[Any] = ctx.plan
-        used = [layer for layer, grad in enumerate(grads) if grad is not None]
-        used_states = [states[2 * layer + side] for layer in used for side in (0, 1)]
-        check_unmodified(used_states)
+        # The inputs of the layers whose weights got a gradient.
+        used = [
+            i for layer, g in enumerate(grads) if g is not None for i in (2 * layer, 2 * layer + 1)
+        ]
+        check_unmodified([(tensors[i], ctx.versions[i]) for i in used])
         result: list[Tensor | None] = [None]
-        relaid = any(s is not None and s.relaid() for s in used_states)
+        relaid = any(tensors[i] is not None and layout(tensors[i]) != plan.layouts[i] for i in used)
         if torch.is_grad_enabled() or relaid:
             # create_graph: through the plain formula, layer by layer; the same where an input
             # changed layout since the forward (same values, other strides), which the layers'
@@ -261,7 +269,7 @@ class _Fused(torch.autograd.Function):
                 pair = tensors[2 * layer : 2 * layer + 2]
                 result += grads_of(plan.plans[layer], pair, grad)
             return tuple(result)
-        if any(s is not None and s.moved() for s in states):
+        if _addresses(tensors) != plan.addresses:
             # An input kept its identity and layout but got new memory since the forward
             # (FSDP1 frees and regathers parameters, ZeRO-3 swaps their .data): the table the
             # forward launched with points at the old memory. The plan of where they are now.

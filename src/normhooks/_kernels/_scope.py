@@ -264,11 +264,10 @@ def _unchanged(member: _Member) -> bool:
     parametrization = member.parametrization
     if member.door.settings(parametrization) != settings:
         return False
-    now = member.door.sources(parametrization, member.chain)
-    if sources is None or now is None:
-        return sources is None and now is None
-    if any(owner is not owner_now for (owner, _), (owner_now, _) in zip(sources, now, strict=True)):
-        return False
+    if sources is None:
+        return member.door.sources(parametrization, member.chain) is None
+    # A tensor that moved between dicts (a gain made a buffer) is no longer where it was
+    # found: the identity check below sees it.
     for (owner, key), tensor, meta in zip(sources, tensors, metas, strict=True):
         if owner.get(key) is not tensor or (tensor is not None and _metadata(tensor) != meta):
             return False
@@ -309,8 +308,10 @@ class _Group:
     def check_again(self) -> None:
         """Each member's checks with its tensors' states now: the weights are computed from
         these."""
+        # Their layouts are the ones found (the scope took these groups again because no
+        # member's metadata changed).
         self.checks = [
-            tuple([(owner, key, State(state.tensor)) for owner, key, state in checks])
+            tuple([(owner, key, state.again()) for owner, key, state in checks])
             for checks in self.checks
         ]
 
@@ -553,7 +554,14 @@ def _stack() -> set[int]:
 
 
 def _on_stack(target: FrameType) -> bool:
-    return id(target) in _stack()
+    """Whether ``target`` runs now: a walk to it (a scope's frame is an ancestor of every
+    access it serves, a few dozen frames up), without building :func:`_stack`'s set."""
+    frame: FrameType | None = sys._getframe(1)
+    while frame is not None:
+        if frame is target:
+            return True
+        frame = frame.f_back
+    return False
 
 
 class _Open:
