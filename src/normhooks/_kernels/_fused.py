@@ -213,11 +213,12 @@ def check_unmodified(inputs: Sequence[tuple[Tensor | None, int]]) -> None:
 class _Fused(torch.autograd.Function):
     """The fused launch as one autograd node.
 
-    It keeps its inputs with their :class:`State` instead of saving them for backward: a
-    layer whose original is written in place inside the forward before its weight is used
-    (a max-norm constraint in a pre-hook) computes its weight itself, and its fused weight
-    gets no gradient; autograd's saved-tensor check would refuse the whole node for it. The
-    check is done here, per layer, for the layers whose weights got a gradient.
+    It keeps its inputs with their versions instead of saving them for backward: a layer
+    whose original is written in place inside the forward before its weight is used (a
+    max-norm constraint in a pre-hook) computes its weight itself, and its fused weight gets
+    no gradient; autograd's saved-tensor check would refuse the whole node for it. The check
+    is done here (the validity rule of ``_cache``: version, memory, layout), per layer, for
+    the layers whose weights got a gradient.
     """
 
     @staticmethod
