@@ -1,11 +1,20 @@
-"""Fused Triton kernels for CUDA tensors, imported only when used.
+"""Everything in normhooks that exists only for speed, behind one door per technique.
 
-``import normhooks`` never imports Triton: each entry point here imports its kernel module on
-first call. :func:`available` is the dispatch rule: Triton importable, a plain CUDA tensor,
-and not under ``torch.compile`` (where inductor fuses the plain formula itself) nor a
-``torch.func`` transform (whose wrapped tensors a kernel cannot read); :func:`on_device` and
-:func:`may_launch` are its two halves, for ``normhooks._kernels._scope``, which checks the second
-once per forward.
+The layout (each file one concern; only the kernel modules import Triton):
+
+- this package: the off switch (``NORMHOOKS_KERNELS=0``, :func:`set_kernels_enabled`), the
+  dispatch rule (:func:`available`, :func:`may_launch`: Triton importable, plain tensors on
+  CUDA, not compiling, tracing, exporting, in a ``torch.func`` transform or a dispatch mode:
+  ``_torch_compat.plain_eager``, the one bypass) and the forwarders to the kernel modules,
+  each imported on first call, so ``import normhooks`` never imports Triton;
+- ``_door``: each reparametrization's one entry (``WeightNorm.forward`` calls its
+  ``WeightNormDoor``): the checks' outcome kept per layout, the kernels' plan, the fused
+  launch it joins, the CPU's fast path (``_cpu``), the fallback (``_fallback``);
+- ``_scope``: the fused scopes (one launch per forward for a model's weights);
+- ``_cache``: the one cache type (``KeyedCache``) and the one validity rule (``State``);
+- ``_fallback``: a kernel that fails here warns once and the plain formula takes over;
+- the Triton kernels: ``weight_norm``, ``weight_standardization``, ``lars`` and what they
+  share (``_common``, ``_fused``, ``_launch``).
 
 :func:`route_cpu_tensors` is the one private switch that sends plain CPU tensors down the same
 path, for the code around the kernels to be exercised without a GPU: the tests run the
