@@ -21,7 +21,7 @@ from torch import Tensor, nn
 
 from normhooks import _kernels, _torch_compat
 from normhooks._kernels import _cpu, _fallback
-from normhooks._kernels._cache import KeyedCache, layout
+from normhooks._kernels._cache import KeyedCache, State, layout
 
 # Where a fused launch finds one of a layer's tensors: the dict that holds it now (a module's
 # ``_parameters`` or ``_buffers``) and its key.
@@ -29,6 +29,14 @@ Source = tuple[dict[str, Any], str]
 
 # The fused launch a layer joins: its launch function, device and dtype.
 FusionGroup = tuple[Callable[..., tuple[Tensor, ...]], torch.device, torch.dtype]
+
+# A served weight's validity check: the dict that holds a tensor it was computed from, its
+# key, and the tensor's state then (see _cache.State).
+Check = tuple[dict[str, Any], str, State]
+
+# What a layer hands a fused launch: the group it joins, its kernel plan, its tensors (None
+# for an optional one it lacks), and a check for each tensor it has.
+FusionInputs = tuple[FusionGroup, object, tuple[Tensor | None, ...], tuple[Check, ...]]
 
 
 class Route:
@@ -107,6 +115,33 @@ class Door(abc.ABC):
         if route is None:
             route = _ROUTES.put(key, self.resolve(parametrization, tensors))
         return route
+
+    def fusion_inputs(self, parametrization: nn.Module, chain: nn.Module) -> FusionInputs | None:
+        """What a fused launch needs to compute the layer's weight with others, or None where
+        the layer keeps its own path now."""
+        sources = self.sources(parametrization, chain)
+        if sources is None:
+            return None
+        tensors = tuple([owner.get(key) for owner, key in sources])
+        present = tuple([t for t in tensors if t is not None])
+        route = self.route(parametrization, present)
+        group = route.group
+        if group is None:
+            group = route.group = self.fusion_group(parametrization, tensors, route)
+        # A route found in the cache is of plain tensors of one device, whose type was
+        # checked: for the CPU the routing switch remains.
+        if group is False or group is None:
+            return None
+        if group[1].type == "cpu" and not _kernels.routing_cpu_tensors():
+            return None
+        checks = tuple(
+            [
+                (owner, key, State(t))
+                for (owner, key), t in zip(sources, tensors, strict=True)
+                if t is not None
+            ]
+        )
+        return group, route.plan, tensors, checks
 
     def fusion_group(
         self, parametrization: nn.Module, tensors: tuple[Tensor | None, ...], route: Route

@@ -69,44 +69,9 @@ from torch import Tensor, nn
 
 from normhooks import _kernels, _parametrize, _torch_compat
 from normhooks._kernels import _fallback
-from normhooks._kernels._cache import State, layout
-from normhooks._kernels._door import Door, FusionGroup, Source, door_of
-
-# A member's validity check: the dict that holds a tensor the fused weight was computed from,
-# its key, and the tensor's state then (see _cache.State).
-_Check = tuple[dict[str, Any], str, State]
-
-# What a member hands a fused launch: the group it joins, its kernel plan, its tensors (None
-# for an optional one it lacks), and a check for each tensor it has.
-FusionInputs = tuple[FusionGroup, object, tuple[Tensor | None, ...], tuple[_Check, ...]]
-
-
-def _fusion_inputs(door: Door, parametrization: nn.Module, chain: nn.Module) -> FusionInputs | None:
-    """What a fused launch needs to compute a member's weight with others, or None where the
-    layer keeps its own path now."""
-    sources = door.sources(parametrization, chain)
-    if sources is None:
-        return None
-    tensors = tuple([owner.get(key) for owner, key in sources])
-    present = tuple([t for t in tensors if t is not None])
-    route = door.route(parametrization, present)
-    group = route.group
-    if group is None:
-        group = route.group = door.fusion_group(parametrization, tensors, route)
-    # A route found in the cache is of plain tensors of one device, whose type was checked:
-    # for the CPU the routing switch remains.
-    if group is False or group is None:
-        return None
-    if group[1].type == "cpu" and not _kernels.routing_cpu_tensors():
-        return None
-    checks = tuple(
-        [
-            (owner, key, State(t))
-            for (owner, key), t in zip(sources, tensors, strict=True)
-            if t is not None
-        ]
-    )
-    return group, route.plan, tensors, checks
+from normhooks._kernels._cache import layout
+from normhooks._kernels._door import Check as _Check
+from normhooks._kernels._door import Door, Source, door_of
 
 
 class _Level:
@@ -451,7 +416,7 @@ class Fusion:
                 continue
             member.stamp = _stamp(member)
             try:
-                found = _fusion_inputs(member.door, member.parametrization, chain)
+                found = member.door.fusion_inputs(member.parametrization, chain)
             except Exception:
                 # Its checks fail: the layer raises at its own access, where it would
                 # without fusion (a layer this forward does not use never raises).
