@@ -574,3 +574,12 @@ def test_fuse_must_be_a_bool(apply: Callable[..., nn.Module]) -> None:
     with pytest.raises(TypeError, match="fuse"):
         apply(model, fuse="no")
     assert not parametrize.is_parametrized(model[0])
+
+
+def test_fuse_false_takes_an_earlier_fusion_off_the_model() -> None:
+    model = nn.Sequential(nn.Conv2d(2, 4, 3), nn.Flatten(), nn.Linear(36, 2)).double()
+    apply_weight_norm(model, layer_types=nn.Conv2d)
+    assert _scope.fusion_of(model) is not None
+    apply_weight_norm(model, layer_types=nn.Linear, fuse=False)
+    assert _scope.fusion_of(model) is None
+    assert not model._forward_hooks
