@@ -124,11 +124,17 @@ class State:
     def holds(self, tensor: Tensor | None) -> bool:
         """Whether ``tensor`` is the tensor recorded, unchanged: same object, version, memory,
         layout and ``requires_grad``."""
+        # The layout field by field, cheapest first (this runs at every served access); the
+        # type of the same object cannot change.
+        known = self.layout
         return (
             tensor is self.tensor
             and tensor._version == self.version
             and tensor.data_ptr() == self.address
-            and layout(tensor) == self.layout
+            and tensor.stride() == known[2]
+            and tensor.shape == known[1]
+            and tensor.dtype == known[3]
+            and tensor.device == known[4]
             and tensor.requires_grad == self.requires_grad
         )
 
