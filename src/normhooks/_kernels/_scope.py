@@ -4,24 +4,26 @@ A GPU training step of a small model is bound by host time, and a parametrizatio
 layer two kernel launches a step, with the Python around them. :func:`fuse` gives a model a
 forward pre-hook and a forward hook (``always_call=True``) that bracket each forward in a
 *scope*: at its start, the weights of every member (a tensor parametrized by exactly one
-:class:`~normhooks.WeightNorm` or :class:`~normhooks.WeightStandardization`, found when
-:func:`fuse` ran) that the kernels can compute are computed together, one launch per device,
-dtype and kind (and one backward), and each is served to its layer for the rest of the
+parametrization with a registered door, ``_door``: :class:`~normhooks.WeightNorm`,
+:class:`~normhooks.WeightStandardization`; found when :func:`fuse` ran) that the kernels can
+compute are computed together, one launch per device, dtype and kind (and one backward), and
+each is served to its layer for the rest of the
 forward; at its end, the layers compute their weights again at each access. The
 parametrizations, their Parameters and the state-dict keys are the model's as before.
 
 How a weight is served: the member's ``ParametrizationList`` gets an instance ``forward``
 (a :class:`_Served`) for the scope, which torch's parametrized property calls like any
-forward. It returns the fused weight only while the scope is open, the originals are the
-tensors it was computed from, unchanged (same objects and versions), and (on CUDA) the
-current stream is the one it was computed on; otherwise it computes the weight as the layer
-would. Nothing global changes. torch's own ``parametrize.cached()``
+forward. It returns the fused weight only while the scope is open and its forward still runs
+(its frame is on the stack: a scope left open by a ``KeyboardInterrupt``, which
+``always_call`` hooks do not run for, closes at its next access), the tensors it was computed
+from still hold by the one validity rule (``_cache.State``: same objects, versions, memory,
+layouts, ``requires_grad``, found in the same dicts), and (on CUDA) the current stream is the
+one it was computed on; otherwise it computes the weight as the layer would. Nothing global
+changes. torch's own ``parametrize.cached()``
 would be cheaper to serve from, but it keys its cache by the module that registered the
 parametrization, which a deep copy shares with its original (a copy inside the scope would
-be served the original's weight), and a scope left open by a ``KeyboardInterrupt`` (which
-``always_call`` hooks do not run for) would leave every parametrization in the process
-cached; here the next scope of the model closes it, and until then its weights are served
-only while their originals are unchanged.
+be served the original's weight), and a scope left open by a ``KeyboardInterrupt`` would
+leave every parametrization in the process cached.
 
 What each layer computes its own way, as without fusion: everything while compiling,
 tracing, exporting, under ``torch.func`` transforms, dispatch modes, CUDA-graph capture or
@@ -30,7 +32,8 @@ activation checkpointing recomputes the weight in backward the layer's own way, 
 what the forward saved; offloading); originals that are not plain tensors on a device the
 kernels take (FSDP2's DTensors, tensor subclasses, the CPU); layers a fused launch cannot
 take (few long rows, non-contiguous weights, WN with ``dim=None`` or two dtypes, WS of
-another axis or of grouped transposed convolutions); a member that another model's open
+another axis or of grouped transposed convolutions, embeddings with ``max_norm``, whose
+forward writes into the weight); a member that another model's open
 scope serves (a layer shared by two models); and members removed or re-parametrized since
 (checked by identity at each scope). A layer parametrized after :func:`fuse` is found when
 :func:`fuse` runs again; lazy layers, from the forward after their first.
@@ -38,18 +41,20 @@ scope serves (a layer shared by two models); and members removed or re-parametri
 A scope takes the last scope's groups (kernel plans, launches) again where nothing they were
 found from changed: every member current, its settings, and each original the same tensor
 with the same metadata (type, shape, strides, dtype, device, ``requires_grad``; a write
-through ``.data`` changes these without a new version). That reads no tensor's values; the
-values are the served weights' checks (versions), read at each scope and access.
+through ``.data`` changes these without a new version), found in the same dict (a gain
+moved from the Parameters to the buffers is found again). That reads no tensor's values; the
+values are the served weights' checks, read at each scope and access.
 
 Grad mode: where an original requires grad and autograd can record (not in inference mode),
 the fused weights get their graph even under ``no_grad``, so a weight served to code that
 enables grad inside the forward still trains; a member whose originals require no grad gets
 a weight that requires none. One multi-output autograd node computes every member's
 gradients in one launch once all have arrived; a weight its layer never used gets none, and
-its originals get None, as without fusion. Weights changed inside a forward (by the forward
-or its hooks) are seen by the accesses after the change where the change bumped the
-tensors' versions (any in-place op does, a write through ``.data`` does not): as with
-``parametrize.cached()``, change weights outside the forward.
+its originals get None, as without fusion; its backward checks its inputs again (see
+``_fused._Fused``). Weights changed inside a forward (by the forward or its hooks) are seen
+by the accesses after the change, except a write into an original's values through
+``.data``, which changes neither the tensor, its version nor its memory: documented in the
+``apply_*`` functions and docs/caching.md, with ``fuse=False`` as the way out.
 """
 
 from __future__ import annotations
@@ -57,156 +62,16 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable, Iterator
 from types import FrameType
-from typing import Any, ClassVar, Generic, Literal, TypeVar
+from typing import Any, TypeVar
 
 import torch
 from torch import Tensor, nn
 
 from normhooks import _kernels, _parametrize, _torch_compat
-
-# A member's validity checks: (the dict that holds an original, its key, the tensor, its
-# version), one per tensor the fused weight was computed from.
-_Check = tuple[dict[str, Any], str, Tensor, int]
-
-# The fused launch a weight joins: its entry point in normhooks._kernels, device, dtype.
-FusionGroup = tuple[str, torch.device, torch.dtype]
-
-# What a parametrization hands a fused launch (see Fusable._fusion_inputs): the group it
-# joins, its kernel plan, its tensors (None for an optional one it lacks), and a check for
-# each tensor it has.
-FusionInputs = tuple[FusionGroup, object, tuple[Tensor | None, ...], tuple[_Check, ...]]
-
-# The device types whose tensors the kernels take (the CPU's only inside
-# _kernels.route_cpu_tensors()).
-_KERNEL_DEVICES = ("cuda", "cpu")
-
-
-# --- a parametrization's route ----------------------------------------------------------------
-
-
-# What a technique's checks resolve a weight's axis to.
-D = TypeVar("D", int, int | None)
-
-
-class Route(Generic[D]):
-    """Where a parametrization's weight is computed: what the checks of its tensors found
-    (the axis, and Scaled WS's ``gamma / sqrt(fan_in)``), the kernels' plan (made at the
-    first forward or scope that needs it), and the fused launch it can join (found at the
-    first fused scope that meets it; False where it can join none)."""
-
-    __slots__ = ("dim", "factor", "group", "plan")
-
-    def __init__(self, dim: D, factor: float | None = None) -> None:
-        self.dim: D = dim
-        self.factor = factor
-        self.plan: object = None
-        self.group: FusionGroup | Literal[False] | None = None
-
-
-# Every Fusable's routes, by what they depend on (see Fusable._route).
-_ROUTES: dict[tuple[object, ...], Route[Any]] = {}
-_MAX_ROUTES = 4096
-
-
-class Fusable(nn.Module, Generic[D]):
-    """A parametrization whose weight a fused launch can compute with others'.
-
-    A subclass checks its tensors (:meth:`_new_route`), names the settings the outcome
-    depends on (:meth:`_route_settings`), where the fused launch finds its tensors
-    (:meth:`_fusion_sources`) and whether it can take them (:meth:`_fusion_plan`); this
-    class keeps each outcome, so a layer pays for its checks once and finds its kernel plan
-    with them, and hands a fused scope what it needs.
-    """
-
-    # The entry point in normhooks._kernels of the fused launch its weights join.
-    _fused_launch: ClassVar[str]
-
-    def _new_route(self, tensors: tuple[Tensor, ...]) -> Route[D]:
-        """Checks ``tensors``, the ones :meth:`_route` was given; raises where they do not fit."""
-        raise NotImplementedError
-
-    def _route_settings(self) -> tuple[object, ...]:
-        """The settings the checks' outcome depends on."""
-        raise NotImplementedError
-
-    def _fusion_sources(self, chain: nn.Module) -> tuple[tuple[dict[str, Any], str], ...] | None:
-        """Where a fused launch finds this weight's tensors, in its order: (the dict that holds
-        one, its key); None where it cannot take this layer."""
-        raise NotImplementedError
-
-    def _fusion_plan(self, tensors: tuple[Tensor | None, ...], route: Route[D]) -> object:
-        """The kernels' plan of this weight where a fused launch can take it, else None."""
-        raise NotImplementedError
-
-    def _route(self, tensors: tuple[Tensor, ...]) -> Route[D]:
-        """The outcome of the checks of ``tensors``, and, where the kernels run, their plan.
-
-        Every path reads the tensors by the layout the checks found (the kernels without
-        bounds checks), so they are checked on every path. In eager code on plain tensors,
-        the outcome is kept by everything it depends on (shapes, strides, dtypes, devices and
-        the settings); under ``torch.compile`` the checks run as they are, static attribute
-        reads.
-        """
-        if torch.compiler.is_compiling() or not _torch_compat.plain_tensors(*tensors):
-            unkept = self._new_route(tensors)
-            unkept.group = False  # not a fused launch's: its tensors are not plain
-            return unkept
-        key: tuple[object, ...] = (type(self), self._route_settings())
-        for tensor in tensors:
-            key += (tensor.shape, tensor.stride(), tensor.dtype, tensor.device)
-        route = _ROUTES.get(key)
-        if route is None:
-            route = self._new_route(tensors)
-            if len(_ROUTES) >= _MAX_ROUTES:
-                _ROUTES.clear()
-            _ROUTES[key] = route
-        return route
-
-    def _fusion_inputs(self, chain: nn.Module) -> FusionInputs | None:
-        """What a fused launch needs to compute this weight with others, or None where the
-        layer keeps its own path now."""
-        sources = self._fusion_sources(chain)
-        if sources is None:
-            return None
-        tensors = tuple([owner.get(key) for owner, key in sources])
-        present = tuple([t for t in tensors if t is not None])
-        route = self._route(present)
-        group = route.group
-        if group is None:
-            group = route.group = self._fusion_group(tensors, route)
-        # A route found in the cache is of plain tensors of one device, whose type was
-        # checked: for the CPU the routing switch remains.
-        if group is False or group is None:
-            return None
-        if group[1].type == "cpu" and not _kernels.routing_cpu_tensors():
-            return None
-        checks = tuple(
-            [
-                (owner, key, t, t._version)
-                for (owner, key), t in zip(sources, tensors, strict=True)
-                if t is not None
-            ]
-        )
-        return group, route.plan, tensors, checks
-
-    def _fusion_group(
-        self, tensors: tuple[Tensor | None, ...], route: Route[D]
-    ) -> FusionGroup | Literal[False]:
-        """The fused launch a weight of ``route`` joins, or False where it can join none."""
-        # Whether the kernels take the device depends, for the CPU, on the private routing
-        # switch, checked at each scope.
-        first = tensors[0]
-        assert first is not None  # a weight's own tensor is never optional
-        if first.device.type not in _KERNEL_DEVICES:
-            return False
-        for tensor in tensors:
-            if tensor is not None and (
-                tensor.dtype != first.dtype or tensor.device != first.device
-            ):
-                return False
-        if self._fusion_plan(tensors, route) is None:
-            return False
-        return (self._fused_launch, first.device, first.dtype)
+from normhooks._kernels import _fallback
+from normhooks._kernels._cache import layout
+from normhooks._kernels._door import Check as _Check
+from normhooks._kernels._door import Door, Source, door_of
 
 
 class _Level:
@@ -218,6 +83,17 @@ class _Level:
         self.frame = frame
         self.open = frame is not None
         self.served: list[tuple[nn.Module, _Served]] = []
+
+    def live(self) -> bool:
+        """Whether the forward it brackets still runs: a scope left open by a
+        KeyboardInterrupt (which ``always_call`` hooks do not run for) closes at its next
+        access, and never serves."""
+        if not self.open:
+            return False
+        if self.frame is not None and _on_stack(self.frame):
+            return True
+        self.close()
+        return False
 
     def close(self) -> None:
         self.open = False
@@ -253,7 +129,7 @@ class _Served:
         self.stream = stream
 
     def __call__(self) -> Tensor:
-        if self.level.open and self._current():
+        if self._current() and self.level.live():
             assert self.weight is not None  # an open level serves a computed weight
             return self.weight
         result: Tensor = type(self.chain).forward(self.chain)
@@ -261,8 +137,8 @@ class _Served:
 
     def _current(self) -> bool:
         """Whether the fused weight is the one the layer would compute here and now."""
-        for owner, key, tensor, version in self.checks:
-            if owner.get(key) is not tensor or tensor._version != version:
+        for owner, key, state in self.checks:
+            if not state.holds(owner.get(key)):
                 return False
         # Under saved-tensor hooks (non-reentrant checkpointing) the layer computes its
         # weight itself, as the recomputation in backward will, which must save what the
@@ -289,7 +165,7 @@ def _closed(chain: nn.Module) -> _Served:
 class _Member:
     """A parametrized tensor of the model that a fused launch may compute."""
 
-    __slots__ = ("chain", "holder", "module", "name", "parametrization", "stamp")
+    __slots__ = ("chain", "door", "holder", "module", "name", "parametrization", "stamp")
 
     def __init__(self, module: nn.Module, name: str) -> None:
         self.module = module
@@ -301,6 +177,9 @@ class _Member:
         self.holder: nn.Module = holder
         self.chain: nn.Module = chain
         self.parametrization: Any = chain._modules["0"]
+        door = door_of(self.parametrization)
+        assert door is not None  # found by _candidates
+        self.door: Door = door
         # What its fused inputs were last found from (see _stamp).
         self.stamp: _Stamp | None = None
 
@@ -314,12 +193,13 @@ class _Member:
 
 
 # What a member's fused inputs depend on besides the tensors' values: its settings, and, for
-# each tensor a launch takes from it, where it is, the tensor (kept: its identity) and what
-# its route was keyed by, with its type and whether it requires grad. Metadata only: a write
-# through ``.data`` changes a tensor's shape, strides, dtype or device without a new version.
+# each tensor a launch takes from it, where it lives (the dict: a gain as a Parameter or a
+# buffer), the tensor (kept: its identity) and what its route was keyed by, with whether it
+# requires grad. Metadata only (a write through ``.data`` changes a tensor's layout without a
+# new version); the values are the served weights' checks, read at each scope and access.
 _Stamp = tuple[
     tuple[object, ...],
-    tuple[tuple[dict[str, Any], str], ...] | None,
+    tuple[Source, ...] | None,
     tuple[Tensor | None, ...],
     tuple[tuple[object, ...] | None, ...],
 ]
@@ -328,15 +208,14 @@ _Stamp = tuple[
 def _metadata(tensor: Tensor | None) -> tuple[object, ...] | None:
     if tensor is None:
         return None
-    meta = (type(tensor), tensor.shape, tensor.stride(), tensor.dtype, tensor.device)
-    return (*meta, tensor.requires_grad)
+    return (*layout(tensor), tensor.requires_grad)
 
 
 def _stamp(member: _Member) -> _Stamp:
     parametrization = member.parametrization
-    sources = parametrization._fusion_sources(member.chain)
+    sources = member.door.sources(parametrization, member.chain)
     tensors = () if sources is None else tuple([owner.get(key) for owner, key in sources])
-    settings = parametrization._route_settings()
+    settings = member.door.settings(parametrization)
     return settings, sources, tensors, tuple([_metadata(t) for t in tensors])
 
 
@@ -348,10 +227,12 @@ def _unchanged(member: _Member) -> bool:
         return False
     settings, sources, tensors, metas = stamp
     parametrization = member.parametrization
-    if parametrization._route_settings() != settings:
+    if member.door.settings(parametrization) != settings:
         return False
     if sources is None:
-        return parametrization._fusion_sources(member.chain) is None
+        return member.door.sources(parametrization, member.chain) is None
+    # A tensor that moved between dicts (a gain made a buffer) is no longer where it was
+    # found: the identity check below sees it.
     for (owner, key), tensor, meta in zip(sources, tensors, metas, strict=True):
         if owner.get(key) is not tensor or (tensor is not None and _metadata(tensor) != meta):
             return False
@@ -359,14 +240,21 @@ def _unchanged(member: _Member) -> bool:
 
 
 def _candidates(module: nn.Module) -> Iterator[str]:
-    """The names of ``module``'s tensors parametrized by one parametrization that knows how
-    to join a fused launch."""
+    """The names of ``module``'s tensors parametrized by one parametrization that has a door
+    (one that knows how to join a fused launch).
+
+    Not those of a layer whose forward writes into its weight: an embedding with
+    ``max_norm`` renormalizes the rows it looks up in place (``embedding_renorm_``), which a
+    fused weight, a view of one autograd node's output among several, cannot take.
+    """
     holder = module._modules.get("parametrizations")
     if not isinstance(holder, nn.ModuleDict):
         return
+    if getattr(module, "max_norm", None) is not None:
+        return
     for name, chain in holder.items():
         modules = chain._modules
-        if len(modules) == 1 and isinstance(modules.get("0"), Fusable):
+        if len(modules) == 1 and door_of(modules.get("0")) is not None:
             yield name
 
 
@@ -383,10 +271,12 @@ class _Group:
         self.checks: list[tuple[_Check, ...]] = []
 
     def check_again(self) -> None:
-        """Each member's checks with its tensors' versions now: the weights are computed from
+        """Each member's checks with its tensors' states now: the weights are computed from
         these."""
+        # Their layouts are the ones found (the scope took these groups again because no
+        # member's metadata changed).
         self.checks = [
-            tuple([(owner, key, tensor, tensor._version) for owner, key, tensor, _ in checks])
+            tuple([(owner, key, state.again()) for owner, key, state in checks])
             for checks in self.checks
         ]
 
@@ -403,8 +293,8 @@ class _Layout:
         self.reusable = reusable
 
 
-# A group's key: (its entry point in normhooks._kernels, device, dtype), whether any of its
-# originals requires grad, and which chunk of those it is.
+# A group's key: (its launch, device, dtype), whether any of its originals requires grad,
+# and which chunk of those it is.
 _Key = tuple[tuple[Any, ...], bool, int]
 
 # Values (originals) of one fused launch at most. Every member's incoming gradient waits for
@@ -422,6 +312,7 @@ class Fusion:
         self.lazy: list[nn.Module] = []
         self.levels: list[_Level] = []
         self.layout: _Layout | None = None
+        self.handles: tuple[Any, ...] = ()
         self.collect()
 
     def collect(self) -> None:
@@ -440,7 +331,12 @@ class Fusion:
 
     def __getstate__(self) -> dict[str, object]:
         # Open scopes belong to the running forward, not to a copy.
-        return {"model": self.model, "members": self.members, "lazy": self.lazy}
+        return {
+            "model": self.model,
+            "members": self.members,
+            "lazy": self.lazy,
+            "handles": self.handles,
+        }
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.model = state["model"]
@@ -448,6 +344,7 @@ class Fusion:
         self.lazy = state["lazy"]
         self.levels = []
         self.layout = None
+        self.handles = state.get("handles", ())
 
     # --- the scope ------------------------------------------------------------------------
 
@@ -519,7 +416,7 @@ class Fusion:
                 continue
             member.stamp = _stamp(member)
             try:
-                found = member.parametrization._fusion_inputs(chain)
+                found = member.door.fusion_inputs(member.parametrization, chain)
             except Exception:
                 # Its checks fail: the layer raises at its own access, where it would
                 # without fusion (a layer this forward does not use never raises).
@@ -556,13 +453,19 @@ class Fusion:
             return
         inference = torch.is_inference_mode_enabled()
         for (key, needs_grad, _), group in groups.items():
-            # Groups are named by their entry point in normhooks._kernels.
-            launch = getattr(_kernels, key[0])
-            if needs_grad and not inference and not torch.is_grad_enabled():
-                with torch.enable_grad():
+            launch = key[0]
+            try:
+                if needs_grad and not inference and not torch.is_grad_enabled():
+                    with torch.enable_grad():
+                        weights = launch(tuple(group.plans), group.tensors)
+                else:
                     weights = launch(tuple(group.plans), group.tensors)
-            else:
-                weights = launch(tuple(group.plans), group.tensors)
+            except Exception as error:
+                if isinstance(error, torch.OutOfMemoryError):
+                    raise
+                # Its layers compute their own weights, by the plain formula from now on.
+                _fallback.failed("a fused launch", error)
+                return
             device = key[1]
             stream = None
             if device.type == "cuda":
@@ -616,7 +519,14 @@ def _stack() -> set[int]:
 
 
 def _on_stack(target: FrameType) -> bool:
-    return id(target) in _stack()
+    """Whether ``target`` runs now: a walk to it (a scope's frame is an ancestor of every
+    access it serves, a few dozen frames up), without building :func:`_stack`'s set."""
+    frame: FrameType | None = sys._getframe(1)
+    while frame is not None:
+        if frame is target:
+            return True
+        frame = frame.f_back
+    return False
 
 
 class _Open:
@@ -669,6 +579,19 @@ def fuse(model: M) -> M:
         fusion.collect()
         return model
     fusion = Fusion(model)
-    model.register_forward_pre_hook(_Open(fusion))
-    model.register_forward_hook(_Close(fusion), always_call=True)
+    fusion.handles = (
+        model.register_forward_pre_hook(_Open(fusion)),
+        model.register_forward_hook(_Close(fusion), always_call=True),
+    )
+    return model
+
+
+def unfuse(model: M) -> M:
+    """Takes :func:`fuse`'s hooks off ``model``: each layer computes its own weight again."""
+    fusion = fusion_of(model)
+    if fusion is not None:
+        for level in fusion.levels:
+            level.close()
+        for handle in fusion.handles:
+            handle.remove()
     return model
