@@ -10,7 +10,7 @@ initialization is :func:`normhooks.data_dependent_init`.
 The file reads top down: the formula as plain functions, the :class:`WeightNorm`
 parametrization, what the shared lifecycle needs to know about it, then the public functions.
 Registering, converting a tree and removing are ``normhooks._parametrize``'s; taking over and
-folding torch's weight norm, ``normhooks._torch_weight_norm``'s; everything that exists only
+folding torch's weight norm, ``normhooks._parametrize.takeover``'s; everything that exists only
 for speed (the kernels, the fused launch, the CPU's fused op), ``normhooks._kernels``', behind
 the one door :class:`WeightNorm` calls.
 """
@@ -24,10 +24,11 @@ from typing import Any, TypeVar
 import torch
 from torch import Tensor, nn
 
-from normhooks import _checks, _parametrize, _torch_weight_norm
+from normhooks import _checks, _parametrize
 from normhooks._kernels import _door, _scope
 from normhooks._kernels._cpu import eps_vanishes as _eps_vanishes  # noqa: F401 (tests)
 from normhooks._parametrize import describe, layer_name
+from normhooks._parametrize import takeover as _torch_weight_norm
 from normhooks._precision import HALF_DTYPES
 from normhooks._torch_compat import ConvNd, own_parameters
 
