@@ -28,6 +28,7 @@ import contextlib
 import functools
 import importlib.util
 import os
+import warnings
 from collections.abc import Callable, Iterator
 from types import ModuleType
 from typing import Any
@@ -44,12 +45,29 @@ _route_cpu = False
 
 # The off switch (public as normhooks.set_kernels_enabled): False sends every technique to the
 # plain torch formula and keeps Triton unimported. Read from NORMHOOKS_KERNELS once, at import.
-_enabled = os.environ.get("NORMHOOKS_KERNELS", "1").strip().lower() not in (
-    "0",
-    "false",
-    "off",
-    "no",
-)
+_OFF = ("0", "false", "off", "no")
+_ON = ("", "1", "true", "on", "yes")
+
+
+def _from_environment() -> bool:
+    value = os.environ.get("NORMHOOKS_KERNELS", "1")
+    if value.strip().lower() in _OFF:
+        return False
+    if value.strip().lower() not in _ON:
+        # A misspelt off switch must not leave the kernels on without a word; off is the
+        # side that cannot give a wrong number.
+        warnings.warn(
+            f"NORMHOOKS_KERNELS must be one of {', '.join(_OFF)} (kernels off) or "
+            f"{', '.join(v for v in _ON if v)} (on), got NORMHOOKS_KERNELS={value!r}; the "
+            "kernels are off",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+        return False
+    return True
+
+
+_enabled = _from_environment()
 
 
 @functools.cache
