@@ -31,7 +31,7 @@ from normhooks import (
     weight_norm,
 )
 
-watch = importlib.import_module("normhooks._optimizer_watch")
+watch = importlib.import_module("normhooks._parametrize.optimizer_watch")
 
 CONVERT: dict[str, Callable[[nn.Module], nn.Module]] = {
     "wn": apply_weight_norm,
