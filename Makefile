@@ -47,6 +47,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/update_rms.py
 	$(BIN)/python benchmarks/ws.py
 	$(BIN)/python benchmarks/wn.py
+	$(BIN)/python benchmarks/sn.py
 
 demo: $(STAMP)
 	$(BIN)/normhooks demo

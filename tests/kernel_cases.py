@@ -381,7 +381,7 @@ class KernelCases:
     def test_lars_drops_the_table_used_least_recently(
         self, device: str, monkeypatch: pytest.MonkeyPatch
     ) -> None:
-        monkeypatch.setattr(lars_kernels, "_CACHE_SIZE", 2)
+        monkeypatch.setattr(lars_kernels._tables, "size", 2)
         sets = [tensors(torch.float64, device) for _ in range(3)]
         first = lars_kernels._table(sets[0], sets[0], capturing=False)
         lars_kernels._table(sets[1], sets[1], capturing=False)
@@ -490,7 +490,7 @@ class KernelCases:
         assert_lars_result(rates, grads, expected_rates, expected)
         # A graph replays its table's addresses: dropped from the cache, it stays alive.
         capturing(False)
-        monkeypatch.setattr(lars_kernels, "_CACHE_SIZE", 1)
+        monkeypatch.setattr(lars_kernels._tables, "size", 1)
         run_lars(tensors(torch.float32, device), tensors(torch.float32, device))
         assert table not in lars_kernels._tables.values()
         assert any(kept is table for kept in lars_kernels._kept)

@@ -2,12 +2,13 @@
 
 Like optax's shared optimizer tests: one suite, every technique. Each kind converts a model,
 bakes it back, names its parametrization class and declares whether it keeps state; the
-tests below hold for all of them. A spectral normalization built on the private lifecycle in
-the tests (tests/spectral_norm.py) is the kind with state.
+tests below hold for all of them. Spectral normalization, whose power iteration keeps its
+vectors in buffers, is the kind with state.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import io
@@ -24,14 +25,17 @@ from torch.nn.utils import parametrize
 from helpers import assert_compiled_training_matches_eager, small_cnn
 from normhooks import (
     ScaledWeightStandardization,
+    SpectralNorm,
     WeightNorm,
     WeightStandardization,
+    _kernels,
+    apply_spectral_norm,
     apply_weight_norm,
     apply_weight_standardization,
+    remove_spectral_norm,
     remove_weight_norm,
     remove_weight_standardization,
 )
-from spectral_norm import SpectralNorm, apply_spectral_norm, remove_spectral_norm
 
 
 @dataclass(frozen=True)
@@ -41,8 +45,8 @@ class Kind:
     parametrization: type[nn.Module]
     # A training forward advances state that the parametrization keeps in buffers (a power
     # iteration's u), so two training forwards compute different weights: outputs are
-    # compared in eval mode, and torch.func, which cannot run a forward that writes into a
-    # module's buffers, runs the model in eval mode only.
+    # compared in eval mode, and so are torch.func's, under which a training forward leaves
+    # the state as it is.
     stateful: bool = False
 
 
@@ -55,6 +59,12 @@ KINDS = {
     ),
     "wn": Kind(apply_weight_norm, remove_weight_norm, WeightNorm),
     "spectral": Kind(apply_spectral_norm, remove_spectral_norm, SpectralNorm, stateful=True),
+    "sigma-reparam": Kind(
+        functools.partial(apply_spectral_norm, scale=True),
+        remove_spectral_norm,
+        SpectralNorm,
+        stateful=True,
+    ),
 }
 STATEFUL = [name for name, kind in KINDS.items() if kind.stateful]
 
@@ -167,6 +177,51 @@ def test_baked_model_loads_into_the_plain_model(kind: Kind) -> None:
         assert param.is_contiguous()
 
 
+def test_baking_keeps_the_output_and_a_parameter_the_optimizer_holds(kind: Kind) -> None:
+    """The baked weight is one of the converted layer's Parameters (WS's raw weight, WN's v),
+    overwritten in place: an optimizer built after the conversion trains it on."""
+    model = comparable(kind, converted(kind))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(1.0 + 0.1 * torch.rand_like(p))
+    x = x_for()
+    with torch.no_grad():
+        expected = model(x)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    held = {id(p) for p in optimizer.param_groups[0]["params"]}
+    kind.bake(model)
+    assert not parametrized_layers(model)
+    layers = [m for m in model.modules() if isinstance(m, (nn.Conv2d, nn.Linear))]
+    assert all(id(layer.weight) in held for layer in layers)
+    torch.testing.assert_close(model(x), expected)
+    before = [layer.weight.detach().clone() for layer in layers]
+    model(x).square().mean().backward()
+    optimizer.step()
+    assert all(
+        not torch.equal(layer.weight, old) for layer, old in zip(layers, before, strict=True)
+    )
+
+
+def test_the_weight_follows_load_state_dict(kind: Kind) -> None:
+    model = comparable(kind, converted(kind))
+    other = comparable(kind, converted(kind))
+    x = x_for()
+    with torch.no_grad():
+        model(x)
+        model.load_state_dict(other.state_dict())
+        torch.testing.assert_close(model(x), other(x), rtol=0, atol=0)
+
+
+def test_a_layer_called_twice_is_not_a_tie(kind: Kind) -> None:
+    """One module object under two paths is converted once, and runs."""
+    shared = nn.Linear(3, 3)
+    model = comparable(
+        kind, kind.apply(nn.Sequential(shared, nn.Tanh(), shared), layer_types=nn.Linear)
+    )
+    assert parametrized_layers(model) == [shared]
+    model(torch.randn(2, 3)).sum().backward()
+
+
 def test_compiled_training_step_matches_eager(kind: Kind) -> None:
     assert_compiled_training_matches_eager(
         converted(kind), x_for(), lambda m: torch.optim.SGD(m.parameters(), lr=0.1)
@@ -241,6 +296,105 @@ def test_a_pending_lazy_model_saves_and_loads_like_the_lazy_model(kind: Kind) ->
     pending.load_state_dict(plain.state_dict())  # materializes the weights
     torch.testing.assert_close(pending(x), expected(x))  # converts them
     assert list(pending.state_dict()) == list(expected.state_dict())
+
+
+def trained_checkpoint(kind: Kind, x: torch.Tensor) -> tuple[nn.Module, io.BytesIO]:
+    """A converted lazy model trained two steps (so that WN's g is no longer ``||v||`` and
+    Scaled WS's gain no longer 1), and its state dict saved with ``torch.save``."""
+    saved = kind.apply(lazy_cnn())
+    optimizer = torch.optim.SGD(saved.parameters(), lr=0.1)
+    for _ in range(2):
+        optimizer.zero_grad()
+        saved(x).square().mean().backward()
+        optimizer.step()
+    buffer = io.BytesIO()
+    torch.save(saved.state_dict(), buffer)
+    buffer.seek(0)
+    return saved, buffer
+
+
+@pytest.mark.parametrize("routed", [False, True], ids=["eager", "routed"])
+def test_a_pending_lazy_model_resumes_from_a_checkpoint_of_the_converted_model(
+    kind: Kind, routed: bool
+) -> None:
+    """Rebuilt, converted and loaded before its first forward, as torch's lazy modules load;
+    on the plain path and on the kernels' (CPU tensors routed to them)."""
+    x = torch.randn(2, 3, 6, 6)
+    saved, checkpoint = trained_checkpoint(kind, x)
+    resumed = kind.apply(lazy_cnn())
+    resumed.load_state_dict(torch.load(checkpoint))
+    with _kernels.route_cpu_tensors() if routed else contextlib.nullcontext():
+        torch.testing.assert_close(
+            comparable(kind, resumed)(x), comparable(kind, saved)(x), rtol=0, atol=0
+        )
+    expected, found = saved.state_dict(), resumed.state_dict()
+    assert list(found) == list(expected)
+    for key, value in expected.items():
+        torch.testing.assert_close(found[key], value, rtol=0, atol=0)
+
+
+def test_an_optimizer_built_before_resuming_a_pending_model_holds_its_parameters(
+    kind: Kind,
+) -> None:
+    x = torch.randn(2, 3, 6, 6)
+    _, checkpoint = trained_checkpoint(kind, x)
+    resumed = kind.apply(lazy_cnn())
+    optimizer = torch.optim.SGD(resumed.parameters(), lr=0.1)
+    resumed.load_state_dict(torch.load(checkpoint))
+    resumed(x).square().mean().backward()
+    optimizer.step()
+    held = {id(p) for p in optimizer.param_groups[0]["params"]}
+    assert all(id(p) in held for p in resumed.parameters())
+
+
+@pytest.mark.parametrize(
+    ("saved_as", "pending_as"),
+    [("wn", "ws"), ("scaled-ws", "wn")],
+    ids=["wn-into-ws", "ws-into-wn"],
+)
+def test_a_checkpoint_of_another_technique_is_refused_at_loading(
+    saved_as: str, pending_as: str
+) -> None:
+    x = torch.randn(2, 3, 6, 6)
+    _, checkpoint = trained_checkpoint(KINDS[saved_as], x)
+    pending = KINDS[pending_as].apply(lazy_cnn())
+    with pytest.raises(ValueError, match="was saved from a model converted otherwise"):
+        pending.load_state_dict(torch.load(checkpoint))
+
+
+def test_a_checkpoint_with_other_settings_is_refused_at_the_first_forward() -> None:
+    """Scaled WS's checkpoint holds a gain that plain WS does not make: the conversion is undone
+    and stays pending, so every forward raises until the model is converted as it was saved."""
+    x = torch.randn(2, 3, 6, 6)
+    _, checkpoint = trained_checkpoint(KINDS["scaled-ws"], x)
+    pending = KINDS["ws"].apply(lazy_cnn())
+    pending.load_state_dict(torch.load(checkpoint))
+    for _ in range(2):
+        with pytest.raises(ValueError, match=r"(?s)does not fit its weight.*0\.gain"):
+            pending(x)
+    assert not parametrized_layers(pending)
+
+
+def test_a_complex_lazy_weight_is_refused_at_entry(kind: Kind) -> None:
+    model = nn.Sequential(nn.LazyLinear(2, dtype=torch.complex64))
+    match = r"LazyLinear\.weight must be a real floating-point tensor .* complex dtype"
+    with pytest.raises(TypeError, match=match):
+        kind.apply(model, layer_types=nn.Linear)
+    model(torch.randn(2, 3, dtype=torch.complex64))
+    assert type(model[0]) is nn.Linear  # nothing pending: a plain Linear, as before the call
+
+
+def test_a_pending_conversion_that_fails_keeps_failing(kind: Kind) -> None:
+    """A lazy weight's rank is known at the first forward only; a registration that fails there
+    stays pending, so the layer never runs without it, until the conversion is removed."""
+    model = kind.apply(nn.Sequential(nn.LazyBatchNorm1d()), layer_types=nn.LazyBatchNorm1d)
+    x = torch.randn(4, 3)
+    for _ in range(2):
+        with pytest.raises(ValueError, match=r"BatchNorm1d\.weight has 1 dimension"):
+            model(x)
+    kind.bake(model)
+    model(x)
+    assert not parametrized_layers(model)
 
 
 def test_a_deep_copy_of_a_pending_model_trains_its_own_parameters(kind: Kind) -> None:
@@ -416,15 +570,64 @@ def assert_unchanged(model: nn.Module, params: list[nn.Parameter]) -> None:
     assert list(model.parameters()) == params
 
 
-def test_a_bad_layer_anywhere_leaves_the_whole_model_unchanged(kind: Kind) -> None:
+@pytest.mark.parametrize(
+    ("dtype", "word"),
+    [(torch.int64, "integer"), (torch.complex64, "complex")],
+    ids=["int", "complex"],
+)
+def test_a_bad_layer_anywhere_leaves_the_whole_model_unchanged(
+    kind: Kind, dtype: torch.dtype, word: str
+) -> None:
     model = small_cnn()
     model(torch.randn(1, 3, 8, 8))
-    model[-1].weight = nn.Parameter(torch.ones(2, 16, dtype=torch.int64), requires_grad=False)
+    model[-1].weight = nn.Parameter(torch.ones(2, 16, dtype=dtype), requires_grad=False)
     params = list(model.parameters())
     bad_layer_types = (nn.Conv2d, nn.Linear)
-    with pytest.raises(TypeError, match=r"Linear\.weight must be a real floating-point tensor"):
+    match = rf"Linear\.weight must be a real floating-point tensor .* {word} dtype"
+    with pytest.raises(TypeError, match=match):
         kind.apply(model, layer_types=bad_layer_types)
     assert_unchanged(model, params)
+
+
+def test_a_registration_that_fails_rolls_back_the_layers_before_it(
+    kind: Kind, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What validation cannot foresee (here the third layer's parametrization raising inside
+    torch's registration) still leaves every layer with its own Parameter and values."""
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.Conv2d(4, 4, 3), nn.Conv2d(4, 2, 3))
+    params = list(model.parameters())
+    values = [p.detach().clone() for p in params]
+    original = kind.parametrization.forward
+    calls = [0]
+
+    def failing(self: nn.Module, *tensors: torch.Tensor) -> torch.Tensor:
+        calls[0] += 1
+        if calls[0] == 3:
+            raise RuntimeError("inside torch")
+        result: torch.Tensor = original(self, *tensors)
+        return result
+
+    monkeypatch.setattr(kind.parametrization, "forward", failing)
+    with pytest.raises(RuntimeError, match="inside torch"):
+        kind.apply(model)
+    assert_unchanged(model, params)
+    for param, value in zip(params, values, strict=True):
+        torch.testing.assert_close(param, value, rtol=0, atol=0)
+
+
+def test_converting_twice_is_refused_and_changes_nothing(kind: Kind) -> None:
+    model = converted(kind)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError, match=r"nothing to \w+ in Sequential: all \d+ matching layers"):
+        kind.apply(model)
+    assert model.state_dict().keys() == state.keys()
+    for key, value in model.state_dict().items():
+        torch.testing.assert_close(value, state[key], rtol=0, atol=0)
+
+
+def test_removing_what_is_not_there_is_refused(kind: Kind) -> None:
+    with pytest.raises(ValueError, match=r"^Sequential has no [\w ]+ to remove$"):
+        kind.bake(nn.Sequential(nn.Linear(3, 2)))
 
 
 def test_sparse_embedding_is_refused_at_registration(kind: Kind) -> None:
@@ -531,15 +734,23 @@ def test_the_state_travels_with_the_state_dict(name: str) -> None:
 
 
 @pytest.mark.parametrize("name", STATEFUL)
-def test_torch_func_refuses_a_training_forward_that_advances_the_state(name: str) -> None:
+def test_a_training_forward_under_torch_func_computes_with_the_state_as_it_is(name: str) -> None:
+    """torch.func's functions may not write into a module's buffers: under a transform, a
+    training forward leaves the state, and computes what an eval forward does."""
     model = converted(KINDS[name], torch.float64).train()
     params = {k: v.detach() for k, v in model.named_parameters()}
+    x = x_for(torch.float64)
+    before = state_of(model)
 
     def loss(p: dict[str, torch.Tensor]) -> torch.Tensor:
-        return torch.func.functional_call(model, p, (x_for(torch.float64),)).sum()
+        return torch.func.functional_call(model, p, (x,)).sum()
 
-    with pytest.raises(RuntimeError, match="in-place operation"):
-        torch.func.grad(loss)(params)
+    grads = torch.func.grad(loss)(params)
+    for key, value in state_of(model).items():
+        torch.testing.assert_close(value, before[key], rtol=0, atol=0)
+    model.eval()(x).sum().backward()
+    for key, param in model.named_parameters():
+        torch.testing.assert_close(grads[key], param.grad)
 
 
 def test_the_spectral_norm_divides_by_the_largest_singular_value() -> None:

@@ -336,8 +336,7 @@ if importlib.util.find_spec("triton") is not None:
         ) -> None:
             """A table built on one stream, last used on another, then dropped from the cache:
             its memory must not serve the first stream before the second is done with it."""
-            monkeypatch.setattr(lars_kernels, "_CACHE_SIZE", 1)
-            monkeypatch.setattr(lars_kernels, "_tables", type(lars_kernels._tables)())
+            monkeypatch.setattr(lars_kernels, "_tables", type(lars_kernels._tables)(1))
             settings: dict[str, Any] = {
                 "threshold": 1e-2,
                 "weight_decay": 1e-3,

@@ -1,4 +1,4 @@
-"""One launch for all of a model's WN (or WS) weights each way: normhooks._fusion.
+"""One launch for all of a model's WN (or WS) weights each way: normhooks._kernels._scope.
 
 The tree conversions fuse the model they convert. Every test runs the kernels on CPU tensors
 through Triton's interpreter (``_kernels.route_cpu_tensors()``; conftest sets
@@ -30,7 +30,6 @@ if os.environ.get("TRITON_INTERPRET") != "1":
 
 from kernel_cases import wn_reference, ws_reference
 from normhooks import (
-    _fusion,
     _kernels,
     _torch_compat,
     apply_weight_norm,
@@ -39,6 +38,7 @@ from normhooks import (
     remove_weight_standardization,
     weight_norm,
 )
+from normhooks._kernels import _scope
 from normhooks._kernels import weight_norm as wn_kernels
 from normhooks._kernels import weight_standardization as ws_kernels
 
@@ -345,7 +345,7 @@ def test_large_models_are_fused_in_groups_of_bounded_size(
     calls: dict[str, int], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Every member's incoming gradient waits for its group's backward."""
-    monkeypatch.setattr(_fusion, "MAX_GROUP_NUMEL", 300)
+    monkeypatch.setattr(_scope, "MAX_GROUP_NUMEL", 300)
     plain = cnn()
     model = apply_weight_norm(copy.deepcopy(plain))
     zero(calls)
@@ -712,7 +712,7 @@ def test_a_parametrization_removed_by_hand_leaves_the_others_fused(calls: dict[s
     trains_like_reference(plain, model, WN, lambda m: m(x))
     assert calls["fuse_weight_norms"] == 1
     assert own_calls(calls) == 0
-    assert len(_fusion.fusion_of(model).members) == 3  # type: ignore[union-attr]
+    assert len(_scope.fusion_of(model).members) == 3  # type: ignore[union-attr]
 
 
 def test_a_model_whose_layers_are_all_removed_runs_plain(calls: dict[str, int]) -> None:
@@ -732,7 +732,7 @@ def test_a_layer_parametrized_again_by_hand_takes_its_own_path_until_fused_again
     x = inputs()
     trains_like_reference(plain, model, WN, lambda m: m(x))
     assert calls["planned_weight_norm"] == 1
-    _fusion.fuse(model)
+    _scope.fuse(model)
     model(x)
     assert calls["planned_weight_norm"] == 1
 
@@ -809,7 +809,7 @@ def test_the_scope_pickles_with_its_model() -> None:
     torch.save(model, buffer)
     buffer.seek(0)
     loaded = torch.load(buffer, weights_only=False)
-    fusion = _fusion.fusion_of(loaded)
+    fusion = _scope.fusion_of(loaded)
     assert fusion is not None
     assert fusion.model is loaded
     x = inputs()
@@ -829,7 +829,7 @@ def test_an_exception_in_a_forward_closes_its_scope(calls: dict[str, int]) -> No
     with pytest.raises(RuntimeError, match="channels"):
         model(torch.randn(2, 3, 5, 5, dtype=torch.float64))
     assert served(model) == []
-    assert _fusion.fusion_of(model).levels == []  # type: ignore[union-attr]
+    assert _scope.fusion_of(model).levels == []  # type: ignore[union-attr]
 
 
 class Interrupting(nn.Module):
@@ -861,7 +861,7 @@ def test_an_interrupted_scope_never_serves_a_stale_weight() -> None:
     model.interrupt = False
     model(inputs())
     assert served(model) == []
-    assert _fusion.fusion_of(model).levels == []  # type: ignore[union-attr]
+    assert _scope.fusion_of(model).levels == []  # type: ignore[union-attr]
 
 
 def test_a_weight_is_not_served_on_another_stream_than_it_was_computed_on(

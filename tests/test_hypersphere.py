@@ -15,7 +15,14 @@ from torch import Tensor, nn
 
 from helpers import assert_close_rel
 from hook_kinds import on_sphere
-from normhooks import Hypersphere, UpdateRMS
+from normhooks import (
+    AdaptiveGradientClipping,
+    GradientCentralization,
+    GradientLARS,
+    Hypersphere,
+    TrustRatio,
+    UpdateRMS,
+)
 
 OPTIMIZERS: dict[str, Callable[[Any], torch.optim.Optimizer]] = {
     "sgd-momentum": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),
@@ -236,6 +243,68 @@ def test_after_update_rms_attached_first_the_rescaled_step_is_normalized() -> No
     torch.testing.assert_close(param.detach(), expected, rtol=1e-14, atol=0)
 
 
+@pytest.mark.parametrize(
+    "later",
+    [lambda: UpdateRMS("match"), lambda: TrustRatio()],
+    ids=["update-rms", "trust-ratio"],
+)
+def test_a_hook_on_the_updates_attached_after_it_is_refused_at_the_step(
+    later: Callable[[], Any],
+) -> None:
+    """Attached after the sphere, a hook on the updates would rescale the step onto the
+    normalized weights and take them off the sphere: the step is refused before anything
+    changes, the closure unrun."""
+    weight = 2 * torch.randn(6, 5, dtype=torch.float64)
+    param = nn.Parameter(weight.clone())
+    param.grad = torch.randn_like(weight)
+    optimizer = torch.optim.AdamW([param], lr=0.1)
+    Hypersphere().attach(optimizer)
+    hook = later()
+    hook.attach(optimizer)
+    calls = []
+    name = type(hook).__name__
+    with pytest.raises(RuntimeError, match=rf"{name} was attached to this AdamW after Hypersphere"):
+        optimizer.step(lambda: calls.append(1))
+    assert not calls
+    assert torch.equal(param.detach(), weight)
+    assert not optimizer.state
+
+
+def test_a_hook_on_the_updates_after_it_on_other_groups_is_allowed() -> None:
+    """The update hook opts out of the matrices, the sphere out of the rest: nothing the one
+    rescales does the other normalize, so the order does not matter."""
+    weight = 2 * torch.randn(6, 5, dtype=torch.float64)
+    grad = torch.randn(6, 5, dtype=torch.float64)
+    matrix = nn.Parameter(weight.clone())
+    bias = nn.Parameter(torch.ones(5, dtype=torch.float64))
+    matrix.grad, bias.grad = grad.clone(), torch.ones(5, dtype=torch.float64)
+    groups = [{"params": [matrix], "update": False}, {"params": [bias], "sphere": False}]
+    optimizer = torch.optim.SGD(groups, lr=0.1)
+    Hypersphere().attach(optimizer)
+    UpdateRMS("match", 0.2).attach(optimizer)
+    optimizer.step()
+    torch.testing.assert_close(matrix.detach(), on_sphere(weight - 0.1 * grad))
+    # The bias's update has RMS 1 per unit of lr: matched to 0.2.
+    expected = torch.full((5,), 1 - 0.1 * 0.2, dtype=torch.float64)
+    torch.testing.assert_close(bias.detach(), expected)
+
+
+def test_attached_again_after_the_hook_on_the_updates_it_normalizes_the_rescaled_step() -> None:
+    weight = 2 * torch.randn(6, 5, dtype=torch.float64)
+    grad = torch.randn(6, 5, dtype=torch.float64)
+    param = nn.Parameter(weight.clone())
+    param.grad = grad.clone()
+    optimizer = torch.optim.SGD([param], lr=0.1)
+    first = Hypersphere().attach(optimizer)
+    UpdateRMS("match", 0.2).attach(optimizer)
+    first.remove()
+    Hypersphere().attach(optimizer)
+    optimizer.step()
+    r = 0.2 / (grad.norm().item() / math.sqrt(grad.numel()))
+    expected = on_sphere(weight - 0.1 * r * grad)
+    torch.testing.assert_close(param.detach(), expected, rtol=1e-14, atol=0)
+
+
 # --- AMP -----------------------------------------------------------------------------------
 
 
@@ -274,6 +343,45 @@ def test_a_step_grad_scaler_takes_is_normalized(fused: bool) -> None:
     for param, plain in zip(net.parameters(), stepped, strict=True):
         expected = on_sphere(plain)
         assert_close_rel(param.detach().double(), expected, 1e-6)
+
+
+def _unscale_first(scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer) -> None:
+    scaler.unscale_(optimizer)  # as before torch.nn.utils.clip_grad_norm_
+
+
+def _beside(hook: type) -> Callable[[torch.amp.GradScaler, torch.optim.Optimizer], None]:
+    return lambda _, optimizer: hook().attach(optimizer)
+
+
+SKIPPING = {
+    "unscale_-first": _unscale_first,
+    "beside-agc": _beside(AdaptiveGradientClipping),
+    "beside-lars": _beside(GradientLARS),
+    "beside-gc": _beside(GradientCentralization),
+}
+
+
+@pytest.mark.parametrize("before_step", list(SKIPPING.values()), ids=list(SKIPPING))
+def test_a_fused_step_grad_scaler_skips_with_unscaled_gradients_leaves_every_weight_untouched(
+    before_step: Callable[[torch.amp.GradScaler, torch.optim.Optimizer], None],
+) -> None:
+    """After scaler.unscale_ or a hook on the gradients, the fused step sees grad_scale None
+    but still skips on found_inf: the weights (far from the sphere) stay as they were."""
+    net = model(torch.float32)
+    with torch.no_grad():
+        for param in net.parameters():
+            param.mul_(3.0)
+    optimizer = torch.optim.AdamW(net.parameters(), lr=1e-2, fused=True)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    before = [p.detach().clone() for p in net.parameters()]
+    scaler.scale(loss_of(net, 0)).backward()
+    net["linear"].weight.grad[0, 0] = math.inf  # type: ignore[index]
+    before_step(scaler, optimizer)
+    Hypersphere().attach(optimizer)
+    scaler.step(optimizer)
+    scaler.update()
+    for param, old in zip(net.parameters(), before, strict=True):
+        assert torch.equal(param.detach(), old)
 
 
 # --- precision and cost --------------------------------------------------------------------
@@ -334,8 +442,9 @@ def test_the_state_dict_is_the_optimizers_own() -> None:
     [
         ({"dim": 2}, ValueError, r"dim must be 1 \(each row along dim 0 has unit norm\) or 0"),
         ({"dim": -1}, ValueError, r"got dim=-1"),
-        ({"dim": True}, ValueError, r"got dim=True"),
-        ({"dim": "rows"}, ValueError, r"got dim='rows'"),
+        ({"dim": True}, TypeError, r"dim must be an int, 1 \(each row .* got dim=True"),
+        ({"dim": "rows"}, TypeError, r"dim must be an int, .* got dim='rows'"),
+        ({"dim": 1.0}, TypeError, r"dim must be an int, .* got dim=1.0"),
         ({"eps": 0.0}, ValueError, r"eps must be positive, got eps=0.0"),
         ({"eps": -1e-12}, ValueError, r"eps must be positive"),
         ({"eps": "small"}, TypeError, r"eps must be a real number, got eps='small'"),
@@ -346,6 +455,7 @@ def test_the_state_dict_is_the_optimizers_own() -> None:
         "dim-negative",
         "dim-bool",
         "dim-str",
+        "dim-float",
         "eps-0",
         "eps-negative",
         "eps-str",
@@ -364,8 +474,9 @@ def test_constructor_errors(kwargs: dict[str, Any], error: type[Exception], matc
         ({"sphere_eps": 0}, r"param group 0: sphere_eps must be positive, got sphere_eps=0"),
         ({"sphere_axis": 0}, r"param group 0: unknown key 'sphere_axis'"),
         ({"sphere": 1}, r'param group 0: "sphere" must be a bool'),
+        ({"sphere_dim": 0.0}, r"param group 0: sphere_dim must be an int, .* got sphere_dim=0.0"),
     ],
-    ids=["dim", "eps", "unknown-key", "opt-out-not-bool"],
+    ids=["dim", "eps", "unknown-key", "opt-out-not-bool", "dim-float"],
 )
 def test_bad_groups_are_refused_at_attach_and_nothing_changes(
     group: dict[str, Any], match: str

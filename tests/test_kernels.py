@@ -208,7 +208,7 @@ def test_lars_table_cache_is_safe_across_threads(monkeypatch: pytest.MonkeyPatch
     """
     import threading
 
-    monkeypatch.setattr(lars_kernels, "_CACHE_SIZE", 2)
+    monkeypatch.setattr(lars_kernels, "_tables", type(lars_kernels._tables)(2))
     errors: list[BaseException] = []
 
     def lookups(seed: int) -> None:

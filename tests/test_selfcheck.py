@@ -26,8 +26,9 @@ import pytest
 import torch
 
 import normhooks
-from normhooks import WeightNorm, WeightStandardization, _selfcheck
+from normhooks import WeightNorm, WeightStandardization, _kernels, _selfcheck
 from normhooks.__main__ import main
+from normhooks._step_hook import StepHook
 
 ROOT = Path(__file__).resolve().parents[1]
 ROUTED = _selfcheck.ROUTED
@@ -181,6 +182,45 @@ def test_a_kernel_off_by_a_little_is_a_mismatch_and_exit_status_1(
 
 
 @routed
+@pytest.mark.parametrize("forced", ["scale", "decay", "skip"])
+def test_a_lars_kernel_with_another_zero_gradient_rule_is_a_mismatch(
+    monkeypatch: pytest.MonkeyPatch, forced: str
+) -> None:
+    """The LARS lines see the zero-gradient rule: a kernel path that applied one rule to every
+    group disagrees with the formula on the groups of the other rules."""
+    launch = _kernels.lars_unit_
+
+    def one_rule(*args: Any, **kwargs: Any) -> torch.Tensor:
+        return launch(*args, **{**kwargs, "zero_grad_mode": forced})
+
+    monkeypatch.setattr(_kernels, "lars_unit_", one_rule)
+    status, printed = _routed(checks=["GradientLARS decay, skip"], dtypes=[torch.float32])
+    assert re.search(r"GradientLARS decay, skip +float32 +MISMATCH \(max error", printed), printed
+    assert status == 1
+
+
+def test_every_hook_has_a_path_line() -> None:
+    hooks = {
+        name
+        for name in normhooks.__all__
+        if isinstance(getattr(normhooks, name), type)
+        and issubclass(getattr(normhooks, name), StepHook)
+    }
+    assert hooks <= set(_selfcheck.paths(on_device=False, enabled=True))
+
+
+@no_cuda
+def test_the_docs_show_the_path_lines_printed_without_cuda(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    main(["check"])
+    printed = [line for line in capsys.readouterr().out.splitlines() if line.startswith("  ")]
+    page = (ROOT / "docs" / "check.md").read_text()
+    shown = page.split("paths:\n", 1)[1].split("\nno CUDA device", 1)[0].splitlines()
+    assert shown == printed
+
+
+@routed
 def test_a_kernel_that_raises_is_failed_and_exit_status_1(monkeypatch: pytest.MonkeyPatch) -> None:
     def fail(weight: torch.Tensor) -> torch.Tensor:
         raise RuntimeError("launch failed: no kernel image")
@@ -280,6 +320,17 @@ def test_json_into_a_missing_directory_is_refused_before_the_check(
     assert "normhooks check: error: --json " in captured.err
     assert "its directory does not exist" in captured.err
     assert captured.out == ""
+
+
+@pytest.mark.parametrize(
+    "path", ["", ".", "no-such-directory/check.json"], ids=["empty", "a-directory", "no-parent"]
+)
+def test_json_path_that_names_no_file_is_refused_before_the_check(
+    path: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(ValueError, match=re.escape(f"that exists, got json_path='{path}'")):
+        _selfcheck.run(path)
+    assert capsys.readouterr().out == ""
 
 
 def test_device_must_be_none_or_routed() -> None:

@@ -3,7 +3,10 @@
 Weight normalization makes g and v new Parameters and Scaled WS adds a gain: an optimizer
 built before the conversion holds neither, and they would silently never train. The check is
 a global optimizer step pre-hook; lazy modules keep an optimizer built before their first
-forward working (tests/test_contract.py trains one against the dry-run-first flow).
+forward working (tests/test_contract.py trains one against the dry-run-first flow). Each
+refusal states its cause: an optimizer that holds a Parameter the model no longer has (weight
+norm's old weight, also after the removal) was built before; one whose additions no optimizer
+trains may have been, or their optimizer comes later.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from normhooks import (
     weight_norm,
 )
 
-watch = importlib.import_module("normhooks._optimizer_watch")
+watch = importlib.import_module("normhooks._parametrize.optimizer_watch")
 
 CONVERT: dict[str, Callable[[nn.Module], nn.Module]] = {
     "wn": apply_weight_norm,
@@ -38,6 +41,16 @@ CONVERT: dict[str, Callable[[nn.Module], nn.Module]] = {
 # before: refused at once. Scaled WS's raw weight stays the model's, and another optimizer
 # might train the gains and not have stepped yet: refused at the second step.
 REFUSED_AT = {"wn": 1, "scaled-ws": 2}
+# The cause each refusal states: certainly built before the conversion where it holds a
+# Parameter the model no longer has; otherwise, additions that no optimizer trains.
+BUILT_BEFORE = (
+    r"SGD holds the Parameter Conv2d\.weight had before .* the optimizer was built before"
+)
+UNTRAINED = (
+    r"SGD holds Conv2d\.weight but not the Parameters added when .* was applied to it .* no "
+    "optimizer has trained those"
+)
+REFUSAL = {"wn": BUILT_BEFORE, "scaled-ws": UNTRAINED, "lazy": UNTRAINED}
 
 
 def model() -> nn.Sequential:
@@ -80,8 +93,7 @@ def test_an_optimizer_built_before_converting_is_refused_at_its_step(kind: str, 
     for _ in range(refused_at - 1):
         step(net, optimizer)
     before = snapshot(net, optimizer)
-    match = r"SGD holds the Parameter Conv2d\.weight had before .* the optimizer was built before"
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises(ValueError, match=REFUSAL[kind if not lazy else "lazy"]):
         step(net, optimizer)
     assert_same(before, snapshot(net, optimizer))
 
@@ -94,7 +106,7 @@ def test_conversions_elsewhere_between_the_steps_do_not_postpone_the_refusal() -
     others = [apply_weight_standardization(model(), scaled=True) for _ in range(40)]
     del others[::2]
     gc.collect()
-    with pytest.raises(ValueError, match="built before the conversion"):
+    with pytest.raises(ValueError, match=UNTRAINED):
         step(net, optimizer)
 
 
@@ -193,6 +205,85 @@ def test_an_optimizer_built_after_removal_is_not_refused(
     optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
     for _ in range(3):
         step(net, optimizer)
+
+
+def test_an_optimizer_built_before_weight_norm_and_its_removal_is_refused() -> None:
+    """The removal leaves the weight v's Parameter: the one the optimizer holds is no longer
+    the model's, and the model would not train."""
+    net = model()
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    apply_weight_norm(net)
+    remove_weight_norm(net)
+    before = snapshot(net, optimizer)
+    with pytest.raises(ValueError, match="which its removal did not give back") as error:
+        step(net, optimizer)
+    assert_same(before, snapshot(net, optimizer))
+    assert "Build the optimizer after removing it" in str(error.value)
+
+
+def test_after_weight_norm_and_its_removal_a_new_optimizer_trains() -> None:
+    net = model()
+    torch.optim.SGD(net.parameters(), lr=0.1)  # built before, then replaced
+    apply_weight_norm(net)
+    remove_weight_norm(net)
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
+    before = net[0].weight.detach().clone()
+    step(net, optimizer)
+    assert not torch.equal(net[0].weight, before)
+
+
+@pytest.mark.parametrize(
+    "remove",
+    [remove_weight_standardization, functools.partial(remove_weight_standardization, bake=False)],
+    ids=["bake", "restore"],
+)
+def test_scaled_ws_and_its_removal_keep_an_earlier_optimizer_working(
+    remove: Callable[[nn.Module], nn.Module],
+) -> None:
+    """Scaled WS keeps the weight's Parameter, and its removal gives it back."""
+    net = model()
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
+    remove(apply_weight_standardization(net, scaled=True))
+    before = net[0].weight.detach().clone()
+    for _ in range(3):
+        step(net, optimizer)
+    assert not torch.equal(net[0].weight, before)
+
+
+def warm_up_optimizers(net: nn.Module) -> torch.optim.Optimizer:
+    """The weights' optimizer, built after the conversion, without the gains."""
+    return torch.optim.SGD([p for n, p in net.named_parameters() if "gain" not in n], lr=0.1)
+
+
+def test_gains_left_to_an_optimizer_after_a_warm_up_are_refused_for_what_they_are() -> None:
+    """The weights' optimizer was built after the conversion: the cause stated is that nothing
+    trains the gains, not that the optimizer came first."""
+    net = apply_weight_standardization(model(), scaled=True)
+    weights = warm_up_optimizers(net)
+    step(net, weights)
+    with pytest.raises(ValueError, match=UNTRAINED) as error:
+        step(net, weights)
+    message = str(error.value)
+    assert "Conv2d.parametrizations.weight.0.gain" in message
+    assert "the optimizer meant for them has not stepped yet" in message
+    assert "requires_grad=False until their optimizer starts" in message
+
+
+def test_gains_frozen_for_a_warm_up_then_given_their_optimizer_train() -> None:
+    net = apply_weight_standardization(model(), scaled=True)
+    gains = [p for n, p in net.named_parameters() if "gain" in n]
+    for gain in gains:
+        gain.requires_grad_(False)
+    weights = warm_up_optimizers(net)
+    for _ in range(3):
+        step(net, weights)
+    for gain in gains:
+        gain.requires_grad_(True)
+    late = torch.optim.Adam(gains)
+    before = [g.detach().clone() for g in gains]
+    for _ in range(2):
+        step(net, weights, late)
+    assert all(not torch.equal(g, old) for g, old in zip(gains, before, strict=True))
 
 
 @pytest.mark.parametrize("kind", list(CONVERT))

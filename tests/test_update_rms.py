@@ -338,13 +338,24 @@ def test_a_step_grad_scaler_takes_has_the_target_rms(fused: bool) -> None:
     ("kwargs", "error", "match"),
     [
         ({"rule": "scale"}, ValueError, r"rule must be 'clip' or 'match', got rule='scale'"),
-        ({"rule": None}, ValueError, r"rule must be 'clip' or 'match', got rule=None"),
+        ({"rule": None}, TypeError, r"rule must be a str, 'clip' or 'match', got rule=None"),
+        ({"rule": 1}, TypeError, r"rule must be a str, 'clip' or 'match', got rule=1"),
+        ({"rule": ["clip"]}, TypeError, r"rule must be a str, .* got rule=\['clip'\]"),
         ({"rms": 0.0}, ValueError, r"rms must be positive, got rms=0.0"),
         ({"rms": -1.0}, ValueError, r"rms must be positive"),
         ({"rms": "big"}, TypeError, r"rms must be a real number, got rms='big'"),
         ({"rms": math.inf}, ValueError, r"rms must be finite"),
     ],
-    ids=["rule-unknown", "rule-none", "rms-0", "rms-negative", "rms-str", "rms-inf"],
+    ids=[
+        "rule-unknown",
+        "rule-none",
+        "rule-int",
+        "rule-list",
+        "rms-0",
+        "rms-negative",
+        "rms-str",
+        "rms-inf",
+    ],
 )
 def test_constructor_errors(kwargs: dict[str, Any], error: type[Exception], match: str) -> None:
     with pytest.raises(error, match=match):

@@ -1,11 +1,11 @@
 """Weight normalization: conversion, the seed's self-test, RNNs, torch interop and takeover,
-transforms and export, errors. The data-dependent init has its own file."""
+transforms and export, errors. The data-dependent init has its own file; what every
+parametrization's lifecycle keeps is tested once for all of them in test_contract.py."""
 
 from __future__ import annotations
 
 import copy
 import importlib
-import io
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from torch import nn
 from torch.nn.utils import parametrize
 
-from helpers import LAYERS, assert_compiled_training_matches_eager, input_for
+from helpers import LAYERS, input_for
 from normhooks import (
     WeightNorm,
     apply_weight_norm,
@@ -346,20 +346,6 @@ def test_half_precision_norms_in_float32() -> None:
 # --- removal -------------------------------------------------------------------------------
 
 
-def test_remove_keeps_output_and_identity() -> None:
-    layer = weight_norm(nn.Conv2d(3, 4, 3))
-    with torch.no_grad():
-        layer.parametrizations.weight.original0.mul_(1.5)
-    v = layer.parametrizations.weight.original1
-    x = torch.randn(1, 3, 5, 5)
-    expected = layer(x)
-    remove_weight_norm(layer)
-    assert type(layer) is nn.Conv2d
-    assert layer.weight is v
-    assert set(dict(layer.named_parameters())) == {"weight", "bias"}
-    torch.testing.assert_close(layer(x), expected)
-
-
 def test_remove_everything_in_a_tree() -> None:
     model = convert_with_weight_normalization(nn.Sequential, nn.Linear(3, 4), nn.LSTM(4, 2))
     remove_weight_norm(model)
@@ -418,61 +404,6 @@ def test_legacy_weight_norm_checkpoint_loads() -> None:
     target.load_state_dict(state)
     x = torch.randn(2, 4)
     torch.testing.assert_close(target(x), legacy(x))
-
-
-def test_state_dict_round_trip_through_torch_save() -> None:
-    source = convert_with_weight_normalization(nn.LSTM, 3, 4, num_layers=2)
-    target = convert_with_weight_normalization(nn.LSTM, 3, 4, num_layers=2)
-    buffer = io.BytesIO()
-    torch.save(source.state_dict(), buffer)
-    buffer.seek(0)
-    target.load_state_dict(torch.load(buffer))
-    x = torch.randn(5, 2, 3)
-    torch.testing.assert_close(target(x)[0], source(x)[0])
-
-
-def test_deepcopy() -> None:
-    model = apply_weight_norm(nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2))).eval()
-    x = torch.randn(2, 3)
-    with torch.no_grad():
-        model(x)
-    clone = copy.deepcopy(model)
-    with torch.no_grad():
-        clone[0].parametrizations.weight.original0.mul_(2.0)
-        assert not torch.allclose(clone(x), model(x))
-        torch.testing.assert_close(clone[0].weight, effective(clone[0]))
-
-
-def test_parametrize_cached_computes_once_per_scope() -> None:
-    model = weight_norm(nn.Linear(4, 3)).eval()
-    calls = [0]
-    original = normalization.WeightNorm.forward
-
-    def counting(self: WeightNorm, *tensors: torch.Tensor) -> torch.Tensor:
-        calls[0] += 1
-        return original(self, *tensors)
-
-    normalization.WeightNorm.forward = counting  # type: ignore[method-assign]
-    try:
-        with torch.no_grad():
-            model(torch.randn(2, 4))
-            model(torch.randn(2, 4))
-        assert calls[0] == 2
-        with torch.no_grad(), parametrize.cached():
-            model(torch.randn(2, 4))
-            model(torch.randn(2, 4))
-        assert calls[0] == 3
-    finally:
-        normalization.WeightNorm.forward = original  # type: ignore[method-assign]
-
-
-def test_compiled_training_step_matches_eager() -> None:
-    model = apply_weight_norm(
-        nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Flatten(), nn.Linear(64, 2))
-    )
-    assert_compiled_training_matches_eager(
-        model, torch.randn(2, 3, 6, 6), lambda m: torch.optim.SGD(m.parameters(), lr=0.1)
-    )
 
 
 # --- lazy modules --------------------------------------------------------------------------
@@ -562,13 +493,6 @@ def test_conversion_errors_leave_module_unchanged(
     assert wn_names(module) == []
 
 
-def test_non_floating_parameter() -> None:
-    layer = nn.Linear(3, 2)
-    layer.weight = nn.Parameter(torch.ones(2, 3, dtype=torch.int32), requires_grad=False)
-    with pytest.raises(TypeError, match=r"Linear\.weight must be a real floating-point.*int32"):
-        weight_norm(layer, "weight")
-
-
 @pytest.mark.parametrize(
     ("make", "kwargs", "match"),
     [
@@ -618,27 +542,9 @@ def test_weight_norm_dim_checked_when_registered_directly() -> None:
         parametrize.register_parametrization(nn.Linear(3, 2), "weight", WeightNorm(dim=5))
 
 
-@pytest.mark.parametrize("name", [None, "weight"], ids=["tree", "name"])
-def test_remove_a_pending_lazy_conversion(name: str | None) -> None:
-    model = apply_weight_norm(nn.Sequential(nn.LazyLinear(3)))
-    remove_weight_norm(model if name is None else model[0], name)
-    model(torch.randn(2, 4))
-    assert wn_names(model) == []
-
-
-def test_converting_twice() -> None:
-    layer = weight_norm(nn.Linear(3, 2))
-    with pytest.raises(ValueError, match=r"Linear\.weight is already weight-normalized"):
-        weight_norm(layer, "weight")
-    with pytest.raises(ValueError, match="all 1 matching layers are already weight-normalized"):
-        apply_weight_norm(layer)
-
-
-def test_remove_errors() -> None:
+def test_removing_a_parameter_that_is_not_converted_is_refused() -> None:
     with pytest.raises(ValueError, match=r"Linear\.weight is not weight-normalized"):
         remove_weight_norm(nn.Linear(3, 2), "weight")
-    with pytest.raises(ValueError, match="Linear has no weight normalization to remove"):
-        remove_weight_norm(nn.Linear(3, 2))
 
 
 def test_parametrization_constructor_errors() -> None:
@@ -776,76 +682,12 @@ def test_gain_like_parameter_converted_when_named() -> None:
 # --- atomic conversions, checks at entry ------------------------------------------------------
 
 
-@pytest.mark.parametrize(
-    ("dtype", "match"),
-    [
-        (torch.int64, r"1\.weight must be a real floating-point tensor .* integer dtype"),
-        (torch.complex64, r"1\.weight must be a real floating-point tensor .* complex dtype"),
-    ],
-    ids=["int64", "complex"],
-)
-def test_apply_validates_the_whole_tree_first(dtype: torch.dtype, match: str) -> None:
-    model = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 3))
-    model[1].weight = nn.Parameter(torch.ones(3, 3, dtype=dtype), requires_grad=False)
-    first = model[0].weight
-    with pytest.raises(TypeError, match=match.replace(r"1\.", "Linear\\.")):
-        apply_weight_norm(model)
-    assert wn_names(model) == []
-    assert model[0].weight is first
-    assert type(model[0]) is nn.Linear
-
-
-def test_complex_weight_refused_by_weight_norm_and_lazy_modules() -> None:
-    with pytest.raises(TypeError, match=r"Linear\.weight must be a real .* complex dtype"):
-        weight_norm(nn.Linear(2, 2, dtype=torch.complex64))
-    with pytest.raises(TypeError, match=r"LazyLinear\.weight must be a real .* complex dtype"):
-        weight_norm(nn.LazyLinear(2, dtype=torch.complex64))
-
-
-def test_a_failing_step_undoes_the_steps_before_it() -> None:
-    # What validation cannot foresee (an error inside torch): every earlier step is undone.
-    model = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 3))
-    first = model[0].weight
-    steps = [
-        normalization._parametrize._plan(
-            normalization._Normalization(0, 1e-12), model[0], "weight", strict=True
-        )
-    ]
-
-    def failing() -> Callable[[], None]:
-        raise RuntimeError("inside torch")
-
-    with pytest.raises(RuntimeError, match="inside torch"):
-        normalization._parametrize.apply_all([*steps, failing])
-    assert wn_names(model) == []
-    assert model[0].weight is first
-
-
 def test_lazy_module_dim_checked_at_entry() -> None:
     layer = nn.LazyLinear(4)
     with pytest.raises(ValueError, match=r"dim must be in \[-2, 1\] for LazyLinear\.weight"):
         weight_norm(layer, "weight", dim=5)
     layer(torch.randn(2, 3))
     assert type(layer) is nn.Linear  # nothing pending: a plain Linear, as before the call
-
-
-def test_failing_deferred_conversion_keeps_failing() -> None:
-    # The weight's dimensions are only known at the first forward; the registration then
-    # fails, and must fail again instead of running the layer without it.
-    norm = weight_norm(nn.LazyBatchNorm1d(), "weight")
-    x = torch.randn(4, 3)
-    for _ in range(2):
-        with pytest.raises(ValueError, match=r"BatchNorm1d\.weight has 1 dimension"):
-            norm(x)
-    remove_weight_norm(norm, "weight")
-    norm(x)
-
-
-def test_sparse_embedding_refused() -> None:
-    with pytest.raises(ValueError, match="Embedding has sparse=True"):
-        weight_norm(nn.Embedding(5, 3, sparse=True))
-    with pytest.raises(ValueError, match="Embedding has sparse=True"):
-        apply_weight_norm(nn.Sequential(nn.Embedding(5, 3, sparse=True)), layer_types=nn.Embedding)
 
 
 # --- taking over torch's weight norm ----------------------------------------------------------
@@ -974,7 +816,7 @@ def test_takeover_undone_when_a_later_step_fails(
     expected = layer(x).detach()
     g, v = g_and_v(layer)
     keys = list(layer.state_dict())
-    step = normalization._parametrize._plan(
+    step = normalization._parametrize._conversion_step(
         normalization._Normalization(0, 1e-12), layer, "weight", strict=True
     )
 
@@ -1321,13 +1163,6 @@ def test_a_layer_without_output_rows_computes_an_empty_weight() -> None:
     layer = weight_norm(nn.Linear(3, 0))
     assert layer.weight.shape == (0, 3)
     layer(torch.randn(2, 3)).sum().backward()
-
-
-def test_a_layer_called_twice_is_not_a_tie() -> None:
-    shared = nn.Linear(3, 3)
-    model = apply_weight_norm(nn.Sequential(shared, nn.Tanh(), shared))
-    assert parametrize.is_parametrized(shared, "weight")
-    model(torch.randn(2, 3))
 
 
 def test_lazy_standardization_then_weight_norm_is_refused_at_entry() -> None:

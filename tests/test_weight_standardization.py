@@ -1,4 +1,8 @@
-"""Weight standardization: formula, every layer type, lazy, bake, caching scope, compile, errors."""
+"""Weight standardization: formula, every layer type, lazy, bake, caching scope, compile, errors.
+
+What every parametrization's lifecycle keeps (state dicts, copies, baking, lazy layers,
+refusals that change nothing) is tested once for all of them in test_contract.py.
+"""
 
 from __future__ import annotations
 
@@ -269,36 +273,9 @@ def test_lazy_model_via_apply() -> None:
     assert all(parametrize.is_parametrized(model[i], "weight") for i in (0, 2))
 
 
-def test_remove_pending_lazy_standardization() -> None:
-    layer = nn.LazyLinear(3)
-    weight_standardization(layer)
-    remove_weight_standardization(layer)
-    layer(torch.randn(2, 4))
-    assert not parametrize.is_parametrized(layer, "weight")
-
-
 def test_lazy_dim_checked_at_registration() -> None:
     with pytest.raises(ValueError, match=r"dim must be in \[-4, 3\] for LazyConv2d.weight"):
         weight_standardization(nn.LazyConv2d(4, 3), dim=4)
-
-
-def test_bake_keeps_output_and_parameter_identity() -> None:
-    layer = nn.Conv2d(3, 4, 3)
-    raw = layer.weight
-    weight_standardization(layer, scaled=True)
-    with torch.no_grad():
-        layer.parametrizations.weight[0].gain.uniform_(0.5, 2.0)
-    x = torch.randn(2, 3, 6, 6)
-    expected = layer(x)
-    optimizer = torch.optim.SGD([raw], lr=0.1)
-    remove_weight_standardization(layer, bake=True)
-    assert layer.weight is raw
-    assert type(layer) is nn.Conv2d
-    torch.testing.assert_close(layer(x), expected)
-    before = raw.detach().clone()
-    layer(x).sum().backward()
-    optimizer.step()
-    assert not torch.equal(raw, before)
 
 
 def test_restore_gives_back_raw_weight() -> None:
@@ -370,32 +347,6 @@ def test_training_forward_is_never_cached() -> None:
         layer(torch.randn(2, 4))
         layer(torch.randn(2, 4))
     assert calls[0] == 2
-
-
-def test_weight_follows_optimizer_step() -> None:
-    layer = weight_standardization(nn.Linear(4, 3))
-    optimizer = torch.optim.SGD(layer.parameters(), lr=0.5)
-    x = torch.randn(2, 4)
-    with torch.no_grad():
-        stale = layer(x)
-    layer(x).square().sum().backward()
-    optimizer.step()
-    with torch.no_grad():
-        fresh = layer(x)
-    assert not torch.allclose(fresh, stale)
-    torch.testing.assert_close(
-        layer.weight, standardize_weight(layer.parametrizations.weight.original.detach())
-    )
-
-
-def test_weight_follows_load_state_dict() -> None:
-    layer = weight_standardization(nn.Linear(4, 3)).eval()
-    other = weight_standardization(nn.Linear(4, 3))
-    with torch.no_grad():
-        layer(torch.randn(1, 4))
-    layer.load_state_dict(other.state_dict())
-    with torch.no_grad():
-        torch.testing.assert_close(layer.weight, other.weight)
 
 
 def test_eval_mode_second_derivatives_are_exact() -> None:
@@ -523,28 +474,9 @@ def test_registration_errors_leave_module_unchanged(
     assert set(layer.state_dict()) == set(state)
 
 
-def test_non_floating_weight() -> None:
-    layer = nn.Linear(3, 2)
-    layer.weight = nn.Parameter(torch.ones(2, 3, dtype=torch.int64), requires_grad=False)
-    with pytest.raises(
-        TypeError,
-        match=r"Linear\.weight must be a real floating-point tensor.*integer dtype torch\.int64",
-    ):
-        weight_standardization(layer)
-
-
-def test_standardizing_twice() -> None:
-    layer = weight_standardization(nn.Conv2d(3, 4, 3))
-    with pytest.raises(ValueError, match=r"Conv2d\.weight is already standardized"):
-        weight_standardization(layer)
-    assert len(layer.parametrizations.weight) == 1
-
-
-def test_removing_what_is_not_there() -> None:
+def test_removing_a_parameter_that_is_not_converted_is_refused() -> None:
     with pytest.raises(ValueError, match=r"Linear\.weight is not standardized; nothing to remove"):
         remove_weight_standardization(nn.Linear(3, 2), "weight")
-    with pytest.raises(ValueError, match="Linear has no weight standardization to remove"):
-        remove_weight_standardization(nn.Linear(3, 2))
 
 
 def test_baking_a_stack_is_refused() -> None:
@@ -644,52 +576,11 @@ def test_baked_transposed_weight_is_contiguous(make: Callable[[], nn.Module]) ->
     torch.testing.assert_close(layer(x), before)
 
 
-def test_complex_weight_refused() -> None:
-    layer = nn.Linear(3, 2, dtype=torch.complex64)
-    with pytest.raises(TypeError, match=r"must be a real floating-point tensor.*complex dtype"):
-        weight_standardization(layer)
-
-
-def test_a_complex_lazy_weight_is_refused_at_entry() -> None:
-    layer = nn.LazyLinear(2, dtype=torch.complex64)
-    match = r"LazyLinear\.weight must be a real floating-point tensor.*complex dtype"
-    with pytest.raises(TypeError, match=match):
-        weight_standardization(layer)
-    layer(torch.randn(2, 3, dtype=torch.complex64))
-    assert type(layer) is nn.Linear  # nothing pending: a plain Linear, as before the call
-
-
 def test_dim_of_the_wrong_type_is_refused_at_entry_on_a_lazy_layer_of_unknown_rank() -> None:
     """The rank of a LazyBatchNorm1d's weight is only known at its first forward; the type of
     dim is known now."""
     with pytest.raises(TypeError, match=r"dim must be an int, got dim='0'"):
         weight_standardization(nn.LazyBatchNorm1d(), dim="0")  # type: ignore[arg-type]
-
-
-def test_apply_undoes_earlier_layers_when_a_registration_fails() -> None:
-    """What validation cannot foresee (here a parametrization raising) still rolls back."""
-    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.Conv2d(4, 4, 3), nn.Conv2d(4, 2, 3))
-    weights = [m.weight for m in model]
-    values = [w.detach().clone() for w in weights]
-    original_forward = WeightStandardization.forward
-    calls = [0]
-
-    def failing(self: WeightStandardization, weight: torch.Tensor) -> torch.Tensor:
-        calls[0] += 1
-        if calls[0] == 3:
-            raise RuntimeError("boom")
-        return original_forward(self, weight)
-
-    WeightStandardization.forward = failing  # type: ignore[method-assign]
-    try:
-        with pytest.raises(RuntimeError, match="boom"):
-            apply_weight_standardization(model)
-    finally:
-        WeightStandardization.forward = original_forward  # type: ignore[method-assign]
-    assert not any(parametrize.is_parametrized(m) for m in model)
-    for layer, weight, value in zip(model, weights, values, strict=True):
-        assert layer.weight is weight
-        torch.testing.assert_close(weight, value, rtol=0, atol=0)
 
 
 def test_remove_every_standardization_in_a_tree() -> None:
@@ -702,25 +593,6 @@ def test_remove_every_standardization_in_a_tree() -> None:
     assert not parametrize.is_parametrized(model[1])
     with pytest.raises(ValueError, match="Sequential has no weight standardization to remove"):
         remove_weight_standardization(model)
-
-
-def test_lazy_registration_error_keeps_failing() -> None:
-    """A deferred registration that fails must not vanish and leave a plain layer running."""
-    layer = weight_standardization(nn.LazyLinear(4), dim=0)
-    original_forward = WeightStandardization.forward
-
-    def failing(self: WeightStandardization, weight: torch.Tensor) -> torch.Tensor:
-        raise RuntimeError("cannot standardize")
-
-    WeightStandardization.forward = failing  # type: ignore[method-assign]
-    try:
-        for _ in range(2):
-            with pytest.raises(RuntimeError, match="cannot standardize"):
-                layer(torch.randn(2, 3))
-    finally:
-        WeightStandardization.forward = original_forward  # type: ignore[method-assign]
-    layer(torch.randn(2, 3))
-    assert parametrize.is_parametrized(layer, "weight")
 
 
 def test_weight_standardization_on_a_model_points_to_apply() -> None:

@@ -7,6 +7,12 @@ from normhooks.data_dependent_init import data_dependent_init
 from normhooks.gradient_centralization import GradientCentralization, centralize_gradients_
 from normhooks.hypersphere import Hypersphere
 from normhooks.lars import GradientLARS, lars_, lars_param_groups
+from normhooks.spectral_norm import (
+    SpectralNorm,
+    apply_spectral_norm,
+    remove_spectral_norm,
+    spectral_norm,
+)
 from normhooks.trust_ratio import TrustRatio
 from normhooks.update_rms import UpdateRMS
 from normhooks.weight_norm import (
@@ -31,12 +37,14 @@ __all__ = [
     "GradientLARS",
     "Hypersphere",
     "ScaledWeightStandardization",
+    "SpectralNorm",
     "TrustRatio",
     "UpdateRMS",
     "WeightNorm",
     "WeightStandardization",
     "agc_",
     "agc_param_groups",
+    "apply_spectral_norm",
     "apply_weight_norm",
     "apply_weight_standardization",
     "centralize_gradients_",
@@ -45,9 +53,11 @@ __all__ = [
     "kernels_enabled",
     "lars_",
     "lars_param_groups",
+    "remove_spectral_norm",
     "remove_weight_norm",
     "remove_weight_standardization",
     "set_kernels_enabled",
+    "spectral_norm",
     "standardize_weight",
     "weight_norm",
     "weight_standardization",

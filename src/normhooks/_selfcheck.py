@@ -149,7 +149,13 @@ def paths(on_device: bool, enabled: bool) -> dict[str, str]:
 
 
 _WEIGHTS = ("WeightNorm", "WeightStandardization", "ScaledWeightStandardization")
-_NO_KERNEL = ("AdaptiveGradientClipping", "TrustRatio", "GradientCentralization")
+_NO_KERNEL = (
+    "AdaptiveGradientClipping",
+    "TrustRatio",
+    "GradientCentralization",
+    "Hypersphere",
+    "UpdateRMS",
+)
 
 
 # --- the models, their peers and one step of each ----------------------------------------
@@ -198,6 +204,8 @@ class _Case(NamedTuple):
     name: str
     technique: str  # "wn", "ws", "scaled ws" or "lars"
     fused: bool = False
+    # LARS: one param group per zero_grad_mode (each compiles its own kernel variant).
+    zero_grad_modes: tuple[str, ...] = ("scale",)
 
     @property
     def peer(self) -> str:
@@ -233,6 +241,7 @@ CASES = (
     _Case("scaled weight_std.", "scaled ws"),
     _Case("apply_weight_std. scaled", "scaled ws", fused=True),
     _Case("GradientLARS step", "lars"),
+    _Case("GradientLARS decay, skip", "lars", zero_grad_modes=("decay", "skip")),
 )
 
 
@@ -301,24 +310,32 @@ class _Layers:
 
 
 class _LARS:
-    """The LARS case: SGD with momentum over a few parameter shapes, with and without it."""
+    """The LARS case: SGD with momentum over a few parameter shapes, with and without it, one
+    param group per zero-gradient rule. The second tensor's gradient is exactly zero (a layer
+    behind a zero-initialized gain), where the rules differ."""
 
     def __init__(self, case: _Case, s: _Sizes, dtype: torch.dtype, device: torch.device) -> None:
+        self.modes = case.zero_grad_modes
         self.params = [_random(shape, i, dtype, device) for i, shape in enumerate(s.lars_shapes)]
         self.grads = [0.01 * _random(p.shape, 50 + i, dtype, device)
                       for i, p in enumerate(self.params)]  # fmt: skip
+        self.grads[1].zero_()
 
     def _optimizer(self, hooked: bool) -> tuple[torch.optim.SGD, normhooks.GradientLARS]:
-        params = [nn.Parameter(p.clone()) for p in self.params]
-        optimizer = torch.optim.SGD(params, lr=1e-3, momentum=0.9)
+        groups = [
+            {"params": [nn.Parameter(p.clone()) for p in self.params], "lars_zero_grad_mode": mode}
+            for mode in self.modes
+        ]
+        optimizer = torch.optim.SGD(groups, lr=1e-3, momentum=0.9)
         hook = normhooks.GradientLARS(weight_decay=1e-4)
         if hooked:
             hook.attach(optimizer)
         return optimizer, hook
 
     def _step(self, optimizer: torch.optim.SGD) -> None:
-        for p, g in zip(optimizer.param_groups[0]["params"], self.grads, strict=True):
-            p.grad = g.clone()
+        for group in optimizer.param_groups:
+            for p, g in zip(group["params"], self.grads, strict=True):
+                p.grad = g.clone()
         optimizer.step()
 
     def steps(self) -> dict[str, Tensor]:
@@ -327,9 +344,13 @@ class _LARS:
         found: dict[str, Tensor] = {}
         for step in (1, 2):
             self._step(optimizer)
-            found[f"step {step} rates"] = hook.last_rates[0].detach().clone()
-            for i, p in enumerate(optimizer.param_groups[0]["params"]):
-                found[f"step {step} LARS gradient {i}"] = p.grad.detach().clone()
+            for mode, group, rates in zip(
+                self.modes, optimizer.param_groups, hook.last_rates, strict=True
+            ):
+                name = "" if len(self.modes) == 1 else f" ({mode})"
+                found[f"step {step} rates{name}"] = rates.detach().clone()
+                for i, p in enumerate(group["params"]):
+                    found[f"step {step} LARS gradient {i}{name}"] = p.grad.detach().clone()
         return found
 
     def timed(self) -> tuple[Callable[[], None], Callable[[], None]]:
@@ -474,6 +495,15 @@ def run(
     """
     if device not in (None, ROUTED):
         raise ValueError(f"device must be None or {ROUTED!r}, got device={device!r}")
+    if json_path is not None and (
+        not json_path
+        or os.path.isdir(json_path)
+        or not os.path.isdir(os.path.dirname(os.path.abspath(json_path)))
+    ):
+        # Said before the check runs, not when the report is written after it.
+        raise ValueError(
+            f"json_path must name a file in a directory that exists, got json_path={json_path!r}"
+        )
     routed = device == ROUTED
     report: list[str] = []
 

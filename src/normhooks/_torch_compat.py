@@ -20,6 +20,9 @@ from torch.utils.hooks import RemovableHandle
 # ConvTranspose*/LazyConvTranspose* layer derives from them.
 ConvNd: type[nn.Module] = nn.modules.conv._ConvNd
 ConvTransposeNd: type[nn.Module] = nn.modules.conv._ConvTransposeNd
+# torch.nn.utils.parametrizations.spectral_norm's parametrization (2.13; there since 1.9): its power
+# iteration's vectors are the buffers _u and _v, over the weight with axis dim as rows.
+TorchSpectralNorm: type[nn.Module] = nn.utils.parametrizations._SpectralNorm
 
 
 def foreach_norm(tensors: list[Tensor], dtype: torch.dtype | None = None) -> list[Tensor]:
@@ -286,6 +289,18 @@ def fused_grad_scaling(optimizer: torch.optim.Optimizer) -> FusedGradScaling | N
         return None
     flag = getattr(optimizer, "found_inf", None)
     return FusedGradScaling(optimizer, scale, flag if isinstance(flag, Tensor) else None)
+
+
+def fused_found_inf(optimizer: torch.optim.Optimizer) -> Tensor | None:
+    """The overflow flag ``GradScaler.step`` hands a fused optimizer's step, or None.
+
+    Set with ``grad_scale`` (:class:`FusedGradScaling`) and kept where ``grad_scale`` is None:
+    after ``GradScaler.unscale_``, and after a hook on the gradients has unscaled them itself
+    (:meth:`FusedGradScaling.mark_unscaled`). The step it skips leaves the parameters as they
+    were (GradScaler's private protocol, 2.11, 2.13).
+    """
+    flag = getattr(optimizer, "found_inf", None)
+    return flag if isinstance(flag, Tensor) else None
 
 
 def step_runs_hooks(optimizer: torch.optim.Optimizer) -> bool:

@@ -29,22 +29,26 @@ from normhooks._step_hook import (
     Settings,
     StepHook,
     _Bound,
-    _Pending,
+    _GroupPlan,
+    _hooks_on,
     _reduce_key,
+    _UpdateInFlight,
     row_norms,
     setting,
 )
+from normhooks._step_hook.core import HookCore
 
 __all__ = ["Hypersphere", "onto_sphere_", "sphere_norms"]
 
 
 def _matrix_dim(name: str, value: object) -> int:
-    if isinstance(value, bool) or value not in (0, 1):
-        raise ValueError(
-            f"{name} must be 1 (each row along dim 0 has unit norm) or 0 (each column: the "
-            f"vector along dim 0), got {name}={value!r}"
-        )
-    return int(value)
+    expected = "1 (each row along dim 0 has unit norm) or 0 (each column: the vector along dim 0)"
+    # 1.0 or True would pass a membership test in (0, 1): only an int names an axis.
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, {expected}, got {name}={value!r}")
+    if value not in (0, 1):
+        raise ValueError(f"{name} must be {expected}, got {name}={value!r}")
+    return value
 
 
 @dataclass(frozen=True, eq=False)
@@ -147,8 +151,9 @@ class Hypersphere(StepHook, HypersphereSettings):
 
     A step :class:`torch.amp.GradScaler` skips leaves the weights untouched: a non-fused
     optimizer's step does not run at all, and after a fused one the divisor is 1 wherever
-    ``found_inf`` is set (no value is read back to the host). Parameters without a gradient
-    were not stepped and are left alone. The hook needs no copy of the parameters: it reads
+    ``found_inf`` is set (no value is read back to the host), ``GradScaler.unscale_`` before
+    the step or a hook on the gradients on the same optimizer included. Parameters without a
+    gradient were not stepped and are left alone. The hook needs no copy of the parameters: it reads
     them only after the step. Param groups can opt out (``"sphere": False``) or override
     ``dim`` and ``eps`` with ``"sphere_dim"`` and ``"sphere_eps"``. FSDP2 (``fully_shard``,
     ``Shard(0)``): rows are whole on each rank, so ``dim=1`` needs no communication; for
@@ -156,7 +161,9 @@ class Hypersphere(StepHook, HypersphereSettings):
     over the shards, one all-reduce per set of process groups for all such parameters. One
     Hypersphere per optimizer; with a hook on the updates (:class:`~normhooks.TrustRatio`,
     :class:`~normhooks.UpdateRMS`) on the same optimizer, attach Hypersphere last: post-step
-    hooks run in the order they were attached.
+    hooks run in the order they were attached, and a step with a hook on the updates attached
+    after Hypersphere on a group of the same matrices is refused (RuntimeError, before
+    anything changes), since that hook would take the weights off the sphere again.
 
     Args:
         dim: 1 to normalize each row, 0 each column.
@@ -188,6 +195,13 @@ class Hypersphere(StepHook, HypersphereSettings):
     def __init__(self, dim: int = 1, eps: float = 1e-12, *, foreach: bool | None = None) -> None:
         super().__init__(dim=dim, eps=eps, foreach=foreach)
 
+    def _plan(self, optimizer: torch.optim.Optimizer) -> list[_GroupPlan]:
+        # Every hook's pre-step plans every hook on the optimizer before the closure and the
+        # step: a hook on the updates attached after this one is refused with nothing changed.
+        if not torch.compiler.is_compiling():
+            _refuse_update_hooks_after(self, optimizer)
+        return super()._plan(optimizer)
+
     # The hook reads the parameters after the step only: its pre-step keeps no copy of them
     # and its post-step takes no norm of an update.
 
@@ -200,7 +214,7 @@ class Hypersphere(StepHook, HypersphereSettings):
         jobs: list[tuple[Settings | None, float | Tensor | None]] = [
             (group_plan.settings, None) for group_plan in plan
         ]
-        self._pending[optimizer] = _Pending(bound, jobs, [])
+        self._pending[optimizer] = _UpdateInFlight(bound, jobs, [])
 
     def _after_step(
         self, optimizer: torch.optim.Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -208,8 +222,9 @@ class Hypersphere(StepHook, HypersphereSettings):
         pending = self._pending.pop(optimizer, None)
         if pending is None:
             return
-        scaling = compat.fused_grad_scaling(optimizer)
-        skip = None if scaling is None else scaling.found_inf
+        # Not fused_grad_scaling: its grad_scale is None after GradScaler.unscale_ and after a
+        # hook on the gradients has unscaled them, where the step still skips on found_inf.
+        skip = compat.fused_found_inf(optimizer)
         with torch.no_grad():
             work = []
             for (settings, _), of_group in zip(pending.jobs, pending.bound, strict=True):
@@ -224,6 +239,41 @@ class Hypersphere(StepHook, HypersphereSettings):
             _sum_over_shards_(work, norms)
             for (local, _, settings), norm in zip(work, norms, strict=True):
                 onto_sphere_(local, norm, settings.eps, skip)
+
+
+def _refuse_update_hooks_after(sphere: Hypersphere, optimizer: torch.optim.Optimizer) -> None:
+    """Raises if a hook on the updates was attached to ``optimizer`` after ``sphere`` and
+    rescales the update of a weight that ``sphere`` normalizes.
+
+    Post-step hooks run in the order they were attached, and each StepHook registers its
+    pre- and post-step together, so the order of the pre-steps is that of the post-steps. A
+    hook on the updates after the sphere would rescale the step from the old weights to the
+    normalized ones, which takes them off the sphere.
+    """
+    attached = False
+    for _, hook in _hooks_on(optimizer):
+        if hook is sphere:
+            attached = True
+        elif attached and hook.rewrites == "updates" and _share_a_matrix(sphere, hook, optimizer):
+            name = type(hook).__name__
+            raise RuntimeError(
+                f"{name} was attached to this {type(optimizer).__name__} after Hypersphere; "
+                "post-step hooks run in the order they were attached, so it would rescale the "
+                "update after Hypersphere has put the weights on the sphere and move them off "
+                f"it. Remove Hypersphere with its handle's remove() and attach it again, after "
+                f"{name}"
+            )
+
+
+def _share_a_matrix(sphere: HookCore, other: HookCore, optimizer: torch.optim.Optimizer) -> bool:
+    """Whether a param group that neither hook opts out of holds a tensor of two or more
+    dimensions (the opt-out flags are checked as bools when each hook plans the group)."""
+    return any(
+        group.get(sphere.prefix, True) is not False
+        and group.get(other.prefix, True) is not False
+        and any(param.ndim >= 2 for param in group["params"])
+        for group in optimizer.param_groups
+    )
 
 
 def _sum_over_shards_(

@@ -175,7 +175,7 @@ def lars_unit_(
     """
     if norms is None and _kernels.available(params[0]) and compat.plain_eager(*params, *grads):
         # Two launches whatever the number of tensors, the GradScaler protocol included.
-        return _kernels.lars_unit_(
+        rates = _kernels.lars_unit_(
             params,
             grads,
             threshold=settings.threshold,
@@ -188,6 +188,8 @@ def lars_unit_(
             grad_scale=grad_scale,
             found_inf=found_inf,
         )
+        if rates is not None:  # None: the kernel failed here (warned once): the formula
+            return rates
     if norms is None:
         w_norm, g_norm = euclidean_norms(params, foreach), euclidean_norms(grads, foreach)
     else:

@@ -37,9 +37,11 @@ _PAPERS_RMS = {"clip": 1.0, "match": 0.2}
 
 
 def _rule(name: str, value: object) -> str:
+    if not isinstance(value, str):
+        raise TypeError(f"{name} must be a str, 'clip' or 'match', got {name}={value!r}")
     if value not in _RULES:
         raise ValueError(f"{name} must be 'clip' or 'match', got {name}={value!r}")
-    return str(value)
+    return value
 
 
 @dataclass(frozen=True, eq=False)

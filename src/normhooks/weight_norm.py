@@ -7,16 +7,16 @@ index of ``dim=0`` for every layer, g and v stored where
 ``torch.nn.utils.parametrizations.weight_norm`` stores them. The paper's data-dependent
 initialization is :func:`normhooks.data_dependent_init`.
 
-The file reads top down: the formula as plain functions, its closed-form gradient for the
-CPU, the :class:`WeightNorm` parametrization, what the shared lifecycle needs to know about
-it, then the public functions. Registering, converting a tree and removing are
-``normhooks._parametrize``'s; taking over and folding torch's weight norm,
-``normhooks._torch_weight_norm``'s.
+The file reads top down: the formula as plain functions, the :class:`WeightNorm`
+parametrization, what the shared lifecycle needs to know about it, then the public functions.
+Registering, converting a tree and removing are ``normhooks._parametrize``'s; taking over and
+folding torch's weight norm, ``normhooks._parametrize.takeover``'s; everything that exists only
+for speed (the kernels, the fused launch, the CPU's fused op), ``normhooks._kernels``', behind
+the one door :class:`WeightNorm` calls.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -24,8 +24,11 @@ from typing import Any, TypeVar
 import torch
 from torch import Tensor, nn
 
-from normhooks import _checks, _fusion, _kernels, _parametrize, _torch_compat, _torch_weight_norm
+from normhooks import _checks, _parametrize
+from normhooks._kernels import _door, _scope
+from normhooks._kernels._cpu import eps_vanishes as _eps_vanishes  # noqa: F401 (tests)
 from normhooks._parametrize import describe, layer_name
+from normhooks._parametrize import takeover as _torch_weight_norm
 from normhooks._precision import HALF_DTYPES
 from normhooks._torch_compat import ConvNd, own_parameters
 
@@ -75,90 +78,10 @@ def _weight_norm(g: Tensor, v: Tensor, dim: int | None, eps: float) -> Tensor:
     return (v * scale).to(v.dtype)
 
 
-_FAST_DTYPES = (torch.float32, torch.float64)
-# Mantissa bits of each: a positive x has ulp(x) / 2 >= x * 2**-(bits + 2).
-_MANTISSA_BITS = {torch.float32: 23, torch.float64: 52}
-
-
-def _eps_vanishes(smallest_norm: float, eps: float, dtype: torch.dtype) -> bool:
-    """Whether ``n + eps`` rounds to ``n`` > 0 in ``dtype`` for every ``n >= smallest_norm``.
-
-    Sufficient, not necessary: ``eps`` below a quarter of the smallest norm's unit in the last
-    place leaves every larger norm unchanged too, without a tie to round.
-    """
-    if not smallest_norm > 0:  # also False for NaN
-        return False
-    return eps < math.ldexp(smallest_norm, -(_MANTISSA_BITS[dtype] + 2))
-
-
-def _eager_cpu(g: Tensor, v: Tensor) -> bool:
-    """Whether the CPU fast path may run: eager ops on plain float32/float64 CPU tensors.
-
-    It branches on a tensor's value (``.item()``) and uses a custom autograd Function, which
-    neither ``torch.compile``, tracing and exporting (TorchScript, ONNX, ``torch.export``),
-    ``torch.func`` transforms nor fake tensors can follow; all of them get the plain formula.
-    """
-    return v.is_cpu and v.dtype in _FAST_DTYPES and _torch_compat.plain_eager(g, v)
-
-
-class _WeightNormFunction(torch.autograd.Function):
-    """``g * v / (||v|| + eps)`` with its gradients in closed form, for the CPU.
-
-    Autograd's own graph of the formula takes about six passes over v in backward; with
-    ``s = g / d``, ``d = ||v|| + eps`` and ``p = sum(grad_W * v)`` per row, the gradients are
-    ``grad_g = p / d`` and ``grad_v = s * grad_W - (s * p / (d * ||v||)) * v``: one reduction
-    and one fused multiply-add, torch's fused weight-norm kernel where it applies (dim 0 or
-    last) plus an exact correction for ``eps``. A backward that must itself be differentiable
-    (double backward) recomputes through the plain formula instead.
-    """
-
-    @staticmethod
-    def forward(ctx: Any, g: Tensor, v: Tensor, dim: int | None, eps: float) -> Tensor:
-        ctx.dim, ctx.eps = dim, eps
-        norm = _row_norms(v, dim)
-        denominator = _safe_denominator(norm, eps)
-        ctx.save_for_backward(g, v, norm, denominator)
-        return v * (g / denominator)
-
-    @staticmethod
-    def backward(ctx: Any, grad_w: Tensor) -> tuple[Tensor | None, ...]:
-        g, v, norm, denominator = ctx.saved_tensors
-        if torch.is_grad_enabled():
-            # The saved inputs carry their history, so this backward is differentiable too.
-            wanted = [t for t in (g, v) if t.requires_grad]
-            grads = iter(
-                torch.autograd.grad(
-                    _weight_norm(g, v, ctx.dim, ctx.eps), wanted, grad_w, create_graph=True
-                )
-            )
-            return (*(next(grads) if t.requires_grad else None for t in (g, v)), None, None)
-        # At a zero row v is zero, so the terms in v vanish whatever their coefficient.
-        safe_norm = torch.where(norm > 0, norm, torch.ones_like(norm))
-        # torch's fused kernel divides by the row count: a layer without rows stays off it.
-        if ctx.dim in (0, v.ndim - 1) and v.is_contiguous() and v.shape[ctx.dim] > 0:
-            # torch's fused kernel for g * v / ||v||, given d for ||v||: grad_g = p / d is
-            # exact, and its grad_v has p / d^3 where the exact term is p / (d^2 ||v||).
-            grad_v, grad_g = _torch_compat.weight_norm_interface_backward(
-                grad_w.contiguous(), v, g, denominator, ctx.dim
-            )
-            # Where ||v|| + eps rounds to ||v||, the function computed is g * v / ||v|| and the
-            # kernel's gradient is already the exact one; on the CPU that check is free.
-            if ctx.eps > 0 and not torch.equal(denominator, norm):
-                correction = -(g * grad_g * ctx.eps) / (denominator * denominator * safe_norm)
-                correction = torch.where(denominator == norm, 0.0, correction)
-                grad_v.addcmul_(v, correction)
-            return grad_g, grad_v, None, None
-        dot = (grad_w * v).sum(_norm_dims(v.ndim, ctx.dim), keepdim=True)
-        scale = g / denominator
-        coefficient = -(scale * dot) / (denominator * safe_norm)
-        grad_v = torch.mul(grad_w, scale).addcmul_(v, coefficient)
-        return (dot / denominator).reshape(g.shape), grad_v, None, None
-
-
 # --- the parametrization --------------------------------------------------------------------
 
 
-class WeightNorm(_fusion.Fusable[int | None]):
+class WeightNorm(nn.Module):
     r"""Parametrization ``(g, v) -> W = g * v / (||v|| + eps)``, norms over all axes but ``dim``.
 
     Its ``right_inverse`` is the original converter's decomposition of a weight :math:`W`:
@@ -191,60 +114,7 @@ class WeightNorm(_fusion.Fusable[int | None]):
         self.legacy_keys = False
 
     def forward(self, g: Tensor, v: Tensor) -> Tensor:
-        route = self._route((g, v))
-        dim = route.dim
-        if g.dtype != v.dtype:
-            # The fused kernels and torch's fused op take one dtype; the formula promotes.
-            return _weight_norm(g, v, dim, self.eps)
-        if dim is not None and _kernels.available(g, v):
-            # CUDA with Triton: one fused kernel forward and one backward, exact.
-            return _kernels.planned_weight_norm(g, v, self._kernel_plan(g, v, route))
-        if not _eager_cpu(g, v):
-            # On an accelerator without Triton, autograd's own graph of the formula launches
-            # about as many kernels as the closed-form backward and runs no Python in backward.
-            return _weight_norm(g, v, dim, self.eps)
-        if dim in (0, v.ndim - 1) and v.is_contiguous() and v.shape[dim] > 0:
-            # torch's fused op (forward and backward) computes g * v / ||v||, which is this
-            # function exactly where no row is zero and ||v|| + eps rounds to ||v||; on the CPU
-            # checking that costs nothing.
-            weight, norm = _torch_compat.weight_norm_interface(v, g, dim)
-            if _eps_vanishes(norm.min().item(), self.eps, v.dtype):
-                return weight
-        result: Tensor = _WeightNormFunction.apply(g, v, dim, self.eps)  # type: ignore[no-untyped-call]
-        return result
-
-    _fused_launch = "fuse_weight_norms"
-
-    def _route_settings(self) -> tuple[object, ...]:
-        return self.dim, self.eps
-
-    def _new_route(self, tensors: tuple[Tensor, ...]) -> _fusion.Route[int | None]:
-        # g's shape is checked on every path: torch's fused op and the kernels index it per
-        # row of v without bounds checks.
-        g, v = tensors
-        return _fusion.Route(self._check(g, v))
-
-    def _fusion_sources(self, chain: nn.Module) -> tuple[tuple[dict[str, Any], str], ...] | None:
-        originals = chain._parameters
-        if self.dim is None or originals.get("original0") is None:
-            return None
-        return (originals, "original0"), (originals, "original1")
-
-    def _fusion_plan(
-        self, tensors: tuple[Tensor | None, ...], route: _fusion.Route[int | None]
-    ) -> object:
-        g, v = tensors
-        assert g is not None  # both are WN's own originals
-        assert v is not None
-        plan = self._kernel_plan(g, v, route)
-        return plan if _kernels.weight_norm_fusable(plan) else None
-
-    def _kernel_plan(self, g: Tensor, v: Tensor, route: _fusion.Route[int | None]) -> object:
-        """The kernels' plan of a layer of ``route`` (not ``dim=None``), made once per route."""
-        if route.plan is None:
-            assert route.dim is not None  # dim=None never takes the kernels
-            route.plan = _kernels.weight_norm_plan(g, v, route.dim, self.eps, _weight_norm)
-        return route.plan
+        return _DOOR(self, g, v)
 
     def _check(self, g: Tensor, v: Tensor) -> int | None:
         _parametrize.check_tensor(v, "v", _WHAT)
@@ -286,6 +156,14 @@ class WeightNorm(_fusion.Fusable[int | None]):
 
     def extra_repr(self) -> str:
         return f"dim={self.dim}, eps={self.eps}"
+
+
+# The one door to the fast paths (kernels, fused launches, the CPU's fused op): the formula
+# and the checks are this file's, the rest is normhooks._kernels'.
+_DOOR = _door.WeightNormDoor(_weight_norm, WeightNorm._check)
+_door.register(WeightNorm, _DOOR)
+# The closed-form CPU gradient of the formula, by the name the tests compare it under.
+_WeightNormFunction = _DOOR.closed_form
 
 
 def _check_dim(dim: object) -> int | None:
@@ -427,6 +305,7 @@ def apply_weight_norm(
     layer_types: type[nn.Module] | Sequence[type[nn.Module]] | None = None,
     dim: int | None = 0,
     eps: float = 1e-12,
+    fuse: bool = True,
 ) -> M:
     """Weight-normalizes the ``weight`` of every matching layer in ``model``.
 
@@ -448,6 +327,13 @@ def apply_weight_norm(
             converted one by one with :func:`weight_norm`.
         dim: see :func:`weight_norm`; applies to the layers converted, not to those taken over.
         eps: see :func:`weight_norm`.
+        fuse: on CUDA with Triton, compute every converted weight of ``model`` in one launch
+            per forward (and their gradients in one), served to the layers for the forward
+            (see docs/caching.md). One thing a fused forward cannot see: a write into an
+            original's values through ``.data`` inside the forward (``v.data.mul_(2)`` in a
+            forward pre-hook) after the scope opened; a ``.data`` assignment, an in-place op
+            or a change of dtype or layout is seen. False: each layer computes its own weight
+            at each access, as torch's parametrizations do.
 
     Returns:
         ``model``. Layers already weight-normalized by normhooks are skipped, and so are
@@ -466,8 +352,10 @@ def apply_weight_norm(
         >>> sorted(model[0].parametrizations), hasattr(model[1], "parametrizations")
         (['weight'], False)
     """
-    _parametrize.convert_tree(_technique(dim, eps), model, layer_types)
-    return _fusion.fuse(model)
+    technique = _technique(dim, eps)
+    fuse = _checks.boolean("fuse", fuse)
+    _parametrize.convert_tree(technique, model, layer_types)
+    return _scope.fuse(model) if fuse else _scope.unfuse(model)
 
 
 def convert_with_weight_normalization(module_cls: Callable[..., M], *args: Any, **kwargs: Any) -> M:

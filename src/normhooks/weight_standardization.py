@@ -12,12 +12,12 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from normhooks import _checks, _fusion, _kernels, _parametrize
+from normhooks import _checks, _parametrize
+from normhooks._kernels import _door, _scope
 from normhooks._parametrize import describe
 from normhooks._precision import upcast
 from normhooks._torch_compat import ConvNd
@@ -140,47 +140,20 @@ def _check_gain(where: str, gain: object, weight: Tensor, dim: int, groups: int)
     return gain
 
 
-def _kernel_plan(
-    weight: Tensor, eps: float, gain: Tensor | None, scale: float, route: _fusion.Route[int]
-) -> object:
-    """The kernels' plan of a weight of ``route``, made once per route."""
-    if route.plan is None:
-        route.plan = _kernels.standardization_plan(weight, eps, gain, scale)
-    return route.plan
-
-
-def _standardize(
+def _formula(
     weight: Tensor,
     dim: int,
     eps: float,
     groups: int,
     gain: Tensor | None,
     factor: float | None = None,
-    route: _fusion.Route[int] | None = None,
 ) -> Tensor:
     """:func:`standardize_weight` on checked arguments, ``dim`` in ``range(weight.ndim)``,
-    with the gain scaled by ``factor`` (Scaled WS's ``gamma / sqrt(fan_in)``) when given.
-    ``route``: a parametrization's, which keeps the kernels' plan."""
-    if (
-        dim == 0
-        and groups == 1
-        and weight.numel()
-        and (_kernels.available(weight) if gain is None else _kernels.available(weight, gain))
-    ):
-        # One fused kernel forward and one backward, statistics in float32 for halves: the
-        # kernel reads the weight's rows where they are, and writes the weight's shape.
-        scale = 1.0 if factor is None else factor
-        if route is None:
-            return _kernels.standardize_rows(weight, eps, gain, scale)
-        return _kernels.planned_standardization(
-            weight, gain, _kernel_plan(weight, eps, gain, scale, route)
-        )
+    with the gain scaled by ``factor`` (Scaled WS's ``gamma / sqrt(fan_in)``) when given, in
+    plain torch ops."""
     rows, shape = _rows(weight, dim, groups)
     if rows.numel() == 0:
         return weight.clone()
-    if _kernels.available(rows) and (gain is None or _kernels.available(gain)):
-        scaled = _kernels.standardize_rows(rows, eps, gain, 1.0 if factor is None else factor)
-        return _unrows(scaled, shape, dim, groups)
     if gain is not None and factor is not None:
         gain = gain * factor
     exact = upcast(rows)
@@ -197,7 +170,22 @@ def _standardize(
     return _unrows(standardized.to(weight.dtype), shape, dim, groups)
 
 
-class WeightStandardization(_fusion.Fusable[int]):
+def _standardize(
+    weight: Tensor,
+    dim: int,
+    eps: float,
+    groups: int,
+    gain: Tensor | None,
+    factor: float | None = None,
+    route: _door.Route | None = None,
+) -> Tensor:
+    """:func:`_formula`, through the kernels where they run (a fused kernel each way, the
+    statistics in float32 for halves): every standardization computed, a parametrization's
+    (with its ``route``) and :func:`standardize_weight`'s."""
+    return _DOOR.standardize(weight, dim, eps, groups, gain, factor, route)
+
+
+class WeightStandardization(nn.Module):
     r"""Parametrization ``W -> (W - mean) / sqrt(var + eps)``, statistics per slice of ``dim``.
 
     Register it with :func:`weight_standardization`, or directly with
@@ -226,37 +214,17 @@ class WeightStandardization(_fusion.Fusable[int]):
         self.dim = _checks.integer("dim", dim)
         self.groups = _checks.positive_int("groups", groups)
 
-    _fused_launch = "fuse_standardizations"
-
     def _axis(self, weight: Tensor) -> int:
         """The standardized axis of ``weight``, after the checks of :func:`standardize_weight`
         that its arguments need (the settings were checked at construction)."""
-        return self._route((weight,)).dim
-
-    def _route_settings(self) -> tuple[object, ...]:
-        return self.dim, self.groups, self.eps, self._gamma()
+        return _DOOR.route(self, (weight,)).dim  # type: ignore[return-value]
 
     def _gamma(self) -> float:
         return 1.0
 
-    def _fusion_sources(self, chain: nn.Module) -> tuple[tuple[dict[str, Any], str], ...] | None:
-        originals = chain._parameters
-        if self.groups != 1 or originals.get("original") is None:
-            return None
-        # Plain WS has no gain: the launch gets None in its place.
-        return (originals, "original"), (self._parameters, "gain")
-
-    def _fusion_plan(self, tensors: tuple[Tensor | None, ...], route: _fusion.Route[int]) -> object:
-        weight, gain = tensors
-        assert weight is not None  # the raw weight, the one original
-        if route.dim != 0 or not weight.numel():
-            return None
-        scale = 1.0 if route.factor is None else route.factor
-        plan = _kernel_plan(weight, self.eps, gain, scale, route)
-        return plan if _kernels.standardization_fusable(plan) else None
-
-    def _new_route(self, tensors: tuple[Tensor, ...]) -> _fusion.Route[int]:
-        weight = tensors[0]
+    def _check(self, weight: Tensor, gain: Tensor | None) -> tuple[int, float | None]:
+        """The axis of ``weight``, and with ``gain`` its factor ``gamma / sqrt(fan_in)``
+        (None for a weight without values); raises where they do not fit."""
         _parametrize.check_tensor(weight, "weight", _WHAT)
         dim = self.dim
         if not -weight.ndim <= dim < weight.ndim:
@@ -264,15 +232,14 @@ class WeightStandardization(_fusion.Fusable[int]):
         dim %= weight.ndim
         if self.groups > 1:
             _check_groups(weight, dim, self.groups)
-        if len(tensors) == 1:
-            return _fusion.Route(dim)
-        gain = _check_gain("gain", tensors[1], weight, dim, self.groups)
+        if gain is None:
+            return dim, None
+        gain = _check_gain("gain", gain, weight, dim, self.groups)
         fan_in = weight.numel() // gain.shape[0] if gain.shape[0] else 0
-        return _fusion.Route(dim, self._gamma() / math.sqrt(fan_in) if fan_in else None)
+        return dim, self._gamma() / math.sqrt(fan_in) if fan_in else None
 
     def forward(self, weight: Tensor) -> Tensor:
-        route = self._route((weight,))
-        return _standardize(weight, route.dim, self.eps, self.groups, None, route=route)
+        return _DOOR(self, weight, None)
 
     def extra_repr(self) -> str:
         groups = f", groups={self.groups}" if self.groups != 1 else ""
@@ -335,12 +302,23 @@ class ScaledWeightStandardization(WeightStandardization):
         return self.gamma
 
     def forward(self, weight: Tensor) -> Tensor:
-        gain = self.gain
-        route = self._route((weight, gain))
-        return _standardize(weight, route.dim, self.eps, self.groups, gain, route.factor, route)
+        return _DOOR(self, weight, self.gain)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, gamma={self.gamma}, num_channels={self.gain.numel()}"
+
+
+# The one door to the fast paths (kernels, fused launches): the formula and the checks are
+# this file's, the rest is normhooks._kernels'.
+_DOOR = _door.StandardizationDoor(
+    # _standardize looked up at each call, so that one function counts every computation.
+    _formula,
+    WeightStandardization._check,
+    _rows,
+    _unrows,
+    lambda *args: _standardize(*args),
+)
+_door.register(WeightStandardization, _DOOR)
 
 
 # --- what the lifecycle needs to know -------------------------------------------------------
@@ -506,6 +484,7 @@ def apply_weight_standardization(
     eps: float = 1e-5,
     scaled: bool = False,
     gamma: float = 1.0,
+    fuse: bool = True,
 ) -> nn.Module:
     """Standardizes the ``weight`` of every matching layer in ``model``.
 
@@ -519,6 +498,13 @@ def apply_weight_standardization(
         eps: see :func:`weight_standardization`.
         scaled: see :func:`weight_standardization`.
         gamma: see :func:`weight_standardization`.
+        fuse: on CUDA with Triton, compute every standardized weight of ``model`` in one
+            launch per forward (and their gradients in one), served to the layers for the
+            forward (see docs/caching.md). One thing a fused forward cannot see: a write into
+            a raw weight's values through ``.data`` inside the forward (``w.data.mul_(2)`` in a
+            forward pre-hook) after the scope opened; a ``.data`` assignment, an in-place op
+            or a change of dtype or layout is seen. False: each layer computes its own weight
+            at each access, as torch's parametrizations do.
 
     Returns:
         ``model``. Layers already standardized are skipped; matching layers without a
@@ -539,8 +525,9 @@ def apply_weight_standardization(
         'ParametrizedConv2d'
     """
     technique = _technique(eps, None, scaled, gamma)
+    fuse = _checks.boolean("fuse", fuse)
     _parametrize.convert_tree(technique, model, layer_types)
-    return _fusion.fuse(model)
+    return _scope.fuse(model) if fuse else _scope.unfuse(model)
 
 
 def remove_weight_standardization(

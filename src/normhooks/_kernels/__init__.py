@@ -1,11 +1,20 @@
-"""Fused Triton kernels for CUDA tensors, imported only when used.
+"""Everything in normhooks that exists only for speed, behind one door per technique.
 
-``import normhooks`` never imports Triton: each entry point here imports its kernel module on
-first call. :func:`available` is the dispatch rule: Triton importable, a plain CUDA tensor,
-and not under ``torch.compile`` (where inductor fuses the plain formula itself) nor a
-``torch.func`` transform (whose wrapped tensors a kernel cannot read); :func:`on_device` and
-:func:`may_launch` are its two halves, for ``normhooks._fusion``, which checks the second
-once per forward.
+The layout (each file one concern; only the kernel modules import Triton):
+
+- this package: the off switch (``NORMHOOKS_KERNELS=0``, :func:`set_kernels_enabled`), the
+  dispatch rule (:func:`available`, :func:`may_launch`: Triton importable, plain tensors on
+  CUDA, not compiling, tracing, exporting, in a ``torch.func`` transform or a dispatch mode:
+  ``_torch_compat.plain_eager``, the one bypass) and the forwarders to the kernel modules,
+  each imported on first call, so ``import normhooks`` never imports Triton;
+- ``_door``: each reparametrization's one entry (``WeightNorm.forward`` calls its
+  ``WeightNormDoor``): the checks' outcome kept per layout, the kernels' plan, the fused
+  launch it joins, the CPU's fast path (``_cpu``), the fallback (``_fallback``);
+- ``_scope``: the fused scopes (one launch per forward for a model's weights);
+- ``_cache``: the one cache type (``KeyedCache``) and the one validity rule (``State``);
+- ``_fallback``: a kernel that fails here warns once and the plain formula takes over;
+- the Triton kernels: ``weight_norm``, ``weight_standardization``, ``lars`` and what they
+  share (``_common``, ``_fused``, ``_launch``).
 
 :func:`route_cpu_tensors` is the one private switch that sends plain CPU tensors down the same
 path, for the code around the kernels to be exercised without a GPU: the tests run the
@@ -19,13 +28,16 @@ import contextlib
 import functools
 import importlib.util
 import os
+import warnings
 from collections.abc import Callable, Iterator
 from types import ModuleType
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+import torch
 from torch import Tensor
 
 from normhooks import _torch_compat
+from normhooks._kernels import _fallback
 
 # Process-wide, not per thread: autograd and optimizer hooks may run on other threads than
 # the one that turned the switch on. Only route_cpu_tensors changes it.
@@ -33,12 +45,29 @@ _route_cpu = False
 
 # The off switch (public as normhooks.set_kernels_enabled): False sends every technique to the
 # plain torch formula and keeps Triton unimported. Read from NORMHOOKS_KERNELS once, at import.
-_enabled = os.environ.get("NORMHOOKS_KERNELS", "1").strip().lower() not in (
-    "0",
-    "false",
-    "off",
-    "no",
-)
+_OFF = ("0", "false", "off", "no")
+_ON = ("", "1", "true", "on", "yes")
+
+
+def _from_environment() -> bool:
+    value = os.environ.get("NORMHOOKS_KERNELS", "1")
+    if value.strip().lower() in _OFF:
+        return False
+    if value.strip().lower() not in _ON:
+        # A misspelt off switch must not leave the kernels on without a word; off is the
+        # side that cannot give a wrong number.
+        warnings.warn(
+            f"NORMHOOKS_KERNELS must be one of {', '.join(_OFF)} (kernels off) or "
+            f"{', '.join(v for v in _ON if v)} (on), got NORMHOOKS_KERNELS={value!r}; the "
+            "kernels are off",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+        return False
+    return True
+
+
+_enabled = _from_environment()
 
 
 @functools.cache
@@ -47,7 +76,8 @@ def _triton_found() -> bool:
 
 
 def _triton_importable() -> bool:
-    return _enabled and _triton_found()
+    # A kernel that failed here turns them all off (see _fallback), with one warning.
+    return _enabled and not _fallback.broken() and _triton_found()
 
 
 def kernels_enabled() -> bool:
@@ -92,6 +122,8 @@ class set_kernels_enabled:  # noqa: N801 - named and used like torch.set_grad_en
             raise TypeError(f"mode must be True or False, got mode={mode!r}")
         self.previous = _enabled
         _enabled = mode
+        if mode:
+            _fallback.reset()
 
     def __enter__(self) -> None:
         pass
@@ -154,15 +186,19 @@ def route_cpu_tensors() -> Iterator[None]:
 
 # Type checkers see the kernel module's function, whose signature is written once, there; at
 # run time a forwarder imports that module (and Triton) at the first call.
-if TYPE_CHECKING:
-    from normhooks._kernels.lars import lars_unit_ as lars_unit_
-else:
+def lars_unit_(params: list[Tensor], grads: list[Tensor], **settings: Any) -> Tensor | None:
+    """:func:`normhooks._kernels.lars.lars_unit_`, or None where the kernel failed on this
+    machine before writing a gradient (warned once; the kernels are off from then on): the
+    caller then computes the plain formula."""
+    from normhooks._kernels import lars
 
-    def lars_unit_(*args, **kwargs):
-        """See :func:`normhooks._kernels.lars.lars_unit_`."""
-        from normhooks._kernels import lars
-
-        return lars.lars_unit_(*args, **kwargs)
+    try:
+        return lars.lars_unit_(params, grads, **settings)
+    except lars.KernelFailedError as failure:
+        if isinstance(failure.error, torch.OutOfMemoryError):
+            raise failure.error from None
+        _fallback.failed("LARS", failure.error)
+        return None
 
 
 @functools.cache

@@ -19,15 +19,15 @@ each segment's partial sums, the second adds a row's partial sums in a fixed ord
 
 from __future__ import annotations
 
-import functools
 import struct
 from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
+from normhooks._kernels._cache import KeyedCache
 from normhooks._precision import compute_dtype
 
 TL_DTYPES = {
@@ -94,10 +94,14 @@ def row_plan(count: int, length: int, extent: int) -> RowPlan:
     """The plan for ``count`` rows of ``length`` values whose tensors reach ``extent`` slots
     (one past the largest offset). A function of the shape only, so a layer gets the same
     programs, and the same sums, on every GPU."""
-    return _row_plan(count, length, extent, MAX_BLOCK, MIN_PROGRAMS, MIN_SEGMENT, INT32_SAFE)
+    key = (count, length, extent, MAX_BLOCK, MIN_PROGRAMS, MIN_SEGMENT, INT32_SAFE)
+    return _ROW_PLANS.get_or_make(key, lambda: _row_plan(*key))
 
 
-@functools.lru_cache(maxsize=4096)
+# Row plans by every argument they are computed from: valid by construction.
+_ROW_PLANS: KeyedCache[tuple[int, ...], RowPlan] = KeyedCache()
+
+
 def _row_plan(
     count: int,
     length: int,
@@ -200,19 +204,6 @@ class DeviceTable:
         current.wait_event(self.ready)
         self.storage.record_stream(current)
         self.streams.add(stream)  # type: ignore[arg-type]
-
-
-# Plans kept per kernel module: a model has a few dozen layouts; past this many, a process
-# that keeps making new ones starts over rather than grow.
-MAX_PLANS = 4096
-
-
-def remember(cache: dict[Any, Any], key: object, value: object) -> None:
-    """Stores ``value`` under ``key`` in a plan cache, which never holds more than
-    :data:`MAX_PLANS` entries."""
-    if len(cache) >= MAX_PLANS:
-        cache.clear()
-    cache[key] = value
 
 
 @triton.jit

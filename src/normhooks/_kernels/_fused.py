@@ -15,13 +15,15 @@ from __future__ import annotations
 
 import abc
 import math
-from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any, ClassVar, Generic, Protocol, TypeVar
 
 import torch
 from torch import Tensor
 
+from normhooks._kernels import _fallback
+from normhooks._kernels._cache import KeyedCache, layout
+from normhooks._kernels._cache import Layout as TensorLayout
 from normhooks._kernels._common import (
     DeviceTable,
     acc_dtype,
@@ -94,10 +96,10 @@ class FusedPlan(abc.ABC, Generic[P]):
     gain_at: ClassVar[int]
     """Which of a layer's two inputs is its gain (one value per row); the other is the
     tensor whose values the flat output's layout follows."""
-    _found: ClassVar[OrderedDict[tuple[object, ...], Any]]
+    _found: ClassVar[KeyedCache[tuple[object, ...], Any]]
 
     def __init_subclass__(cls) -> None:
-        cls._found = OrderedDict()
+        cls._found = KeyedCache(MAX_FUSED)
 
     def __init__(self, plans: tuple[P, ...], tensors: Sequence[Tensor | None]) -> None:
         entries: list[int] = []
@@ -127,12 +129,19 @@ class FusedPlan(abc.ABC, Generic[P]):
         self.layers, self.row_layers = self.table.parts
         self.constexprs = (tl_dtype(values.dtype), acc_dtype(values.dtype), block, FIELDS)
         self.plans = plans
+        # The inputs' layouts, which the layers' plans were made for (a backward whose inputs
+        # changed layout since cannot use them).
+        self.layouts: tuple[TensorLayout | None, ...] = tuple(
+            [None if t is None else layout(t) for t in tensors]
+        )
         # Where the inputs were when this plan was found (set by find): its table's addresses.
         self.addresses: tuple[int, ...] = ()
         # The compiled kernels this plan launches, by the alignment of their pointers.
         self.forward_kernels: dict[Any, Any] = {}
         self.backward_kernels: dict[Any, Any] = {}
-        self.gradient_tables: OrderedDict[tuple[int, ...], DeviceTable] = OrderedDict()
+        self.gradient_tables: KeyedCache[tuple[int, ...], DeviceTable] = KeyedCache(
+            MAX_GRADIENT_TABLES
+        )
 
     @abc.abstractmethod
     def entry(
@@ -159,24 +168,59 @@ class FusedPlan(abc.ABC, Generic[P]):
         if found is None:
             found = cls(plans, tensors)
             found.addresses = addresses
-            cls._found[key] = found
-            if len(cls._found) > MAX_FUSED:
-                cls._found.popitem(last=False)
+            cls._found.put(key, found)
         return found
 
     def gradient_table(self, addresses: tuple[int, ...]) -> Tensor:
         """The table of incoming-gradient ``addresses``, safe on the current stream."""
         table = self.gradient_tables.get(addresses)
         if table is None:
-            table = DeviceTable([addresses], self.device)
-            self.gradient_tables[addresses] = table
-            if len(self.gradient_tables) > MAX_GRADIENT_TABLES:
-                self.gradient_tables.popitem(last=False)
+            table = self.gradient_tables.put(addresses, DeviceTable([addresses], self.device))
         table.use_on(current_stream(self.device))
         return table.storage
 
 
+def formula_grads(
+    plan: LayerPlan, pair: Sequence[Tensor | None], grad: Tensor | None
+) -> list[Tensor | None]:
+    """:func:`differentiable_grads` without a graph of their own, from inside a backward:
+    the gradients of the plain formula, where the kernels cannot be trusted (the inputs
+    changed layout since the forward) or failed here."""
+    with torch.enable_grad():
+        wanted = [t for t in pair if t is not None and t.requires_grad]
+        if grad is None or not wanted:
+            return [None, None]
+        result = plan.differentiable(*pair)  # type: ignore[arg-type]
+        found = iter(torch.autograd.grad(result, wanted, grad))
+        return [next(found) if t is not None and t.requires_grad else None for t in pair]
+
+
+def check_unmodified(inputs: Sequence[tuple[Tensor | None, int]]) -> None:
+    """Raises autograd's own error where an input needed for a gradient was written in place
+    since the forward (the fused node keeps its inputs itself, see :class:`_Fused`): each
+    input with its version at the forward."""
+    for tensor, version in inputs:
+        if tensor is not None and tensor._version != version:
+            raise RuntimeError(
+                "one of the variables needed for gradient computation has been modified by an "
+                f"inplace operation: [{tensor.type()} {list(tensor.shape)}] is at version "
+                f"{tensor._version}; expected version {version} instead (an original "
+                "of a weight that normhooks' fused launch computed, written after that weight "
+                "was used)"
+            )
+
+
 class _Fused(torch.autograd.Function):
+    """The fused launch as one autograd node.
+
+    It keeps its inputs with their versions instead of saving them for backward: a layer
+    whose original is written in place inside the forward before its weight is used (a
+    max-norm constraint in a pre-hook) computes its weight itself, and its fused weight gets
+    no gradient; autograd's saved-tensor check would refuse the whole node for it. The check
+    is done here (the validity rule of ``_cache``: version, memory, layout), per layer, for
+    the layers whose weights got a gradient.
+    """
+
     @staticmethod
     def forward(ctx: Any, plan: FusedPlan[Any], *tensors: Tensor | None) -> tuple[Tensor, ...]:
         # A result that no layer used gets no gradient: None, not zeros, so its inputs get
@@ -185,8 +229,10 @@ class _Fused(torch.autograd.Function):
         ctx.plan = plan
         output = torch.empty(plan.numel, dtype=plan.dtype, device=plan.device)
         buffers = plan.buffers()
-        ctx.buffers = len(buffers)
-        ctx.save_for_backward(*buffers, *tensors)
+        ctx.save_for_backward(*buffers)
+        ctx.inputs = tensors
+        # The versions now; the layouts are the plan's (its layers' plans were made for them).
+        ctx.versions = tuple([0 if t is None else t._version for t in tensors])
         plan.table.use_on(current_stream(plan.device))
         forward, _ = plan.kernels()
         forward(
@@ -205,56 +251,81 @@ class _Fused(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *grads: Tensor | None) -> tuple[Tensor | None, ...]:
-        saved = ctx.saved_tensors
-        buffers, tensors = saved[: ctx.buffers], saved[ctx.buffers :]
+        buffers = ctx.saved_tensors
+        tensors = ctx.inputs
         plan: FusedPlan[Any] = ctx.plan
-        if _addresses(tensors) != plan.addresses:
-            # An input kept its identity but got new memory since the forward (FSDP1 frees and
-            # regathers parameters, ZeRO-3 swaps their .data): the table the forward launched
-            # with points at the old memory. The plan of where the inputs are now.
-            plan = type(plan).find(plan.plans, tensors)
+        # The inputs of the layers whose weights got a gradient.
+        used = [
+            i for layer, g in enumerate(grads) if g is not None for i in (2 * layer, 2 * layer + 1)
+        ]
+        check_unmodified([(tensors[i], ctx.versions[i]) for i in used])
         result: list[Tensor | None] = [None]
-        if torch.is_grad_enabled():
-            # create_graph: through the plain formula, layer by layer.
+        relaid = any(tensors[i] is not None and layout(tensors[i]) != plan.layouts[i] for i in used)
+        if torch.is_grad_enabled() or relaid:
+            # create_graph: through the plain formula, layer by layer; the same where an input
+            # changed layout since the forward (same values, other strides), which the layers'
+            # plans and the forward's buffers were made for.
+            grads_of = differentiable_grads if torch.is_grad_enabled() else formula_grads
             for layer, grad in enumerate(grads):
                 pair = tensors[2 * layer : 2 * layer + 2]
-                result += differentiable_grads(plan.plans[layer], pair, grad)
+                result += grads_of(plan.plans[layer], pair, grad)
             return tuple(result)
-        incoming = [None if grad is None else grad.contiguous() for grad in grads]
-        addresses = tuple([0 if grad is None else grad.data_ptr() for grad in incoming])
-        grad_values = torch.empty(plan.numel, dtype=plan.dtype, device=plan.device)
-        grad_gains = torch.empty(plan.rows, dtype=plan.dtype, device=plan.device)
-        _, backward = plan.kernels()
-        backward(
-            plan.backward_kernels,
-            plan.grid,
-            plan.device_index,
-            (plan.row_layers,),
-            plan.layers,
-            plan.row_layers,
-            plan.gradient_table(addresses),
-            *buffers,
-            grad_values,
-            grad_gains,
-            *plan.constexprs,
-        )
-        values_view, gains_view = grad_values.as_strided, grad_gains.as_strided
-        # A None input (a weight without a gain) needs no gradient.
-        needs = ctx.needs_input_grad
-        gain_at = plan.gain_at
-        for layer, grad in enumerate(grads):
-            if grad is None:
-                result += [None, None]
-                continue
-            at = 2 * layer + 1
-            for side in (0, 1):
-                if not needs[at + side]:
-                    result.append(None)
-                elif side == gain_at:
-                    result.append(gains_view(*plan.gains[layer]))
-                else:
-                    result.append(values_view(*plan.outputs[layer]))
-        return tuple(result)
+        if _addresses(tensors) != plan.addresses:
+            # An input kept its identity and layout but got new memory since the forward
+            # (FSDP1 frees and regathers parameters, ZeRO-3 swaps their .data): the table the
+            # forward launched with points at the old memory. The plan of where they are now.
+            plan = type(plan).find(plan.plans, tensors)
+        try:
+            return _kernel_backward(ctx, plan, grads, buffers)
+        except Exception as error:
+            if isinstance(error, torch.OutOfMemoryError):
+                raise
+            _fallback.failed("a fused launch's backward", error)
+            for layer, grad in enumerate(grads):
+                pair = tensors[2 * layer : 2 * layer + 2]
+                result += formula_grads(plan.plans[layer], pair, grad)
+            return tuple(result)
+
+
+def _kernel_backward(
+    ctx: Any, plan: FusedPlan[Any], grads: tuple[Tensor | None, ...], buffers: tuple[Tensor, ...]
+) -> tuple[Tensor | None, ...]:
+    result: list[Tensor | None] = [None]
+    incoming = [None if grad is None else grad.contiguous() for grad in grads]
+    addresses = tuple([0 if grad is None else grad.data_ptr() for grad in incoming])
+    grad_values = torch.empty(plan.numel, dtype=plan.dtype, device=plan.device)
+    grad_gains = torch.empty(plan.rows, dtype=plan.dtype, device=plan.device)
+    _, backward = plan.kernels()
+    backward(
+        plan.backward_kernels,
+        plan.grid,
+        plan.device_index,
+        (plan.row_layers,),
+        plan.layers,
+        plan.row_layers,
+        plan.gradient_table(addresses),
+        *buffers,
+        grad_values,
+        grad_gains,
+        *plan.constexprs,
+    )
+    values_view, gains_view = grad_values.as_strided, grad_gains.as_strided
+    # A None input (a weight without a gain) needs no gradient.
+    needs = ctx.needs_input_grad
+    gain_at = plan.gain_at
+    for layer, grad in enumerate(grads):
+        if grad is None:
+            result += [None, None]
+            continue
+        at = 2 * layer + 1
+        for side in (0, 1):
+            if not needs[at + side]:
+                result.append(None)
+            elif side == gain_at:
+                result.append(gains_view(*plan.gains[layer]))
+            else:
+                result.append(values_view(*plan.outputs[layer]))
+    return tuple(result)
 
 
 def _addresses(tensors: Sequence[Tensor | None]) -> tuple[int, ...]:

@@ -49,7 +49,10 @@ class Kernel:
     the int arguments and constexprs, the device, the alignment of every other pointer: a
     layer's plan, whose outputs come fresh from torch's allocator, aligned to 64 bytes or
     more); those are added to the key here. A cache is never shared between settings, so a
-    kernel is never launched on arguments it was not compiled for.
+    kernel is never launched on arguments it was not compiled for. It is a plain dict, the
+    one kind of kept mapping outside ``_cache.KeyedCache``: it lives as long as the plan
+    that owns it (itself in a KeyedCache) and holds at most one entry per alignment pattern
+    of ``pointers`` (``2 ** len(pointers)``), so it needs no eviction.
     """
 
     __slots__ = ("direct", "fn")

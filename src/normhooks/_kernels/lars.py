@@ -18,7 +18,6 @@ Both launch through :class:`~normhooks._kernels._launch.Kernel`: a call signatur
 
 from __future__ import annotations
 
-import itertools
 import threading
 from collections.abc import Sequence
 from typing import Any
@@ -28,6 +27,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from normhooks._kernels._cache import KeyedCache
 from normhooks._kernels._common import (
     DeviceTable,
     acc_dtype,
@@ -38,7 +38,6 @@ from normhooks._kernels._common import (
     div,
     is_finite,
     on_device,
-    remember,
     sqrt,
 )
 from normhooks._kernels._common import tl_dtype as _tl_dtype
@@ -296,8 +295,6 @@ class _Table(DeviceTable):
         # start, so the storage's alignment (what Triton specializes a pointer on) is theirs.
         super().__init__([row + [0] * (len(row) % 2) for row in rows], params[0].device)
         self.chunks = len(chunk_tensor)
-        # When the table was last found (see _uses).
-        self.used = 0
         (
             self.w_ptrs,
             self.g_ptrs,
@@ -323,13 +320,13 @@ class _Table(DeviceTable):
         super().use_on(stream)
 
 
-_tables: dict[tuple[object, ...], _Table] = {}
-# Recency of the tables' use: a hit only stamps its table (no reordering, which would hash the
-# long key again); the least recently used one is dropped when the cache is full.
-_uses = itertools.count()
-# Tables that a CUDA graph captured: never dropped, since any replay reads them.
+# The tables by everything their content is a function of (device, dtype, chunk size, the
+# tensors' addresses and sizes): valid by construction. The cache is shared by optimizer steps
+# in several threads (one model per thread), which KeyedCache allows.
+_tables: KeyedCache[tuple[object, ...], _Table] = KeyedCache(_CACHE_SIZE)
+# Tables that a CUDA graph captured: never dropped, since any replay reads them (the one kept
+# set outside a KeyedCache: its entries are pinned for the process, not evicted).
 _kept: list[_Table] = []
-# Optimizer steps may run in several threads (one model per thread); the table cache is shared.
 _tables_lock = threading.Lock()
 
 
@@ -348,11 +345,8 @@ def _table(params: Sequence[Tensor], grads: Sequence[Tensor], capturing: bool) -
         tuple(map(Tensor.data_ptr, grads)),
         tuple(map(Tensor.numel, params)),
     )
-    # One dict lookup, atomic without the lock, which guards the insertions and evictions.
     table = _tables.get(key)
-    if table is not None:
-        table.used = next(_uses)
-    else:
+    if table is None:
         if capturing:
             raise RuntimeError(
                 "LARS's Triton kernel meets these tensors for the first time inside a "
@@ -367,19 +361,14 @@ def _table(params: Sequence[Tensor], grads: Sequence[Tensor], capturing: bool) -
         # Checked once per set of tensors: torch keeps a .grad of its parameter's shape,
         # dtype and device, so a set found again by address has passed already.
         _check(params, grads)
-        table = _Table(params, grads, _CHUNK)
-        table.used = next(_uses)
-        with _tables_lock:
-            _tables[key] = table
-            if len(_tables) > _CACHE_SIZE:
-                del _tables[min(_tables, key=lambda found: _tables[found].used)]
+        table = _tables.put(key, _Table(params, grads, _CHUNK))
     table.use_on(current_stream(device), capturing)
     return table
 
 
 # The compiled variants of both kernels, by everything Triton specializes them on except the
 # alignment of the pointers that _launch.Kernel checks at each launch.
-_variants: dict[tuple[object, ...], tuple[dict[Any, Any], dict[Any, Any]]] = {}
+_variants: KeyedCache[tuple[object, ...], tuple[dict[Any, Any], dict[Any, Any]]] = KeyedCache()
 
 
 def _compiled(
@@ -409,11 +398,7 @@ def _compiled(
         _CHUNK,
         _PARTIALS_BLOCK,
     )
-    found = _variants.get(key)
-    if found is None:
-        found = ({}, {})
-        remember(_variants, key, found)
-    return found
+    return _variants.get_or_make(key, lambda: ({}, {}))
 
 
 def _dense(tensor: Tensor) -> bool:
@@ -568,52 +553,102 @@ def lars_unit_(
         dtype_tl, acc_tl = _tl_dtype(dtype), acc_dtype(dtype)
         grid = (table.chunks, 1)
         index = device_index(device)
-        _SQUARES_AND_RATES(
-            squares_and_rates,
-            grid,
-            index,
-            (table.storage, scale, lr_tensor),
-            table.w_ptrs,
-            table.g_ptrs,
-            table.numels,
-            table.first_chunk,
-            table.chunk_tensor,
-            table.chunk_start,
-            table.arrivals,
-            partials,
-            rates,
-            scale,
-            lr_tensor,
-            *scalars,
-            dtype_tl,
-            acc_tl,
-            _BLOCK,
-            _CHUNK,
-            _PARTIALS_BLOCK,
-            *flags,
-        )
-        _SCALE(
-            scale_kernel,
-            grid,
-            index,
-            (table.storage, scale, flag),
-            table.w_ptrs,
-            table.g_ptrs,
-            table.numels,
-            table.chunk_tensor,
-            table.chunk_start,
-            rates,
-            scale,
-            flag,
-            scalars[1],
-            dtype_tl,
-            acc_tl,
-            _BLOCK,
-            _CHUNK,
-            has_decay,
-            flags[-1],
-            found_inf is not None,
-        )
+        try:
+            _launch(
+                grid,
+                index,
+                table,
+                partials,
+                rates,
+                scale,
+                lr_tensor,
+                flag,
+                squares_and_rates,
+                scale_kernel,
+                scalars,
+                flags,
+                dtype_tl,
+                acc_tl,
+                found_inf is not None,
+            )
+        except Exception as error:
+            # A kernel that cannot compile or launch here fails before it writes: the caller
+            # computes the plain formula (normhooks._kernels.lars_unit_).
+            raise KernelFailedError(error) from error
     for grad, copy in originals:
         grad.copy_(copy)
     return rates
+
+
+class KernelFailedError(Exception):
+    """A LARS kernel failed to compile or launch (``error``), before writing a gradient."""
+
+    def __init__(self, error: Exception) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+def _launch(
+    grid: tuple[int, int],
+    index: int | None,
+    table: _Table,
+    partials: Tensor,
+    rates: Tensor,
+    scale: Tensor,
+    lr_tensor: Tensor,
+    flag: Tensor,
+    squares_and_rates: dict[Any, Any],
+    scale_kernel: dict[Any, Any],
+    scalars: tuple[int, ...],
+    flags: tuple[bool, ...],
+    dtype_tl: Any,
+    acc_tl: Any,
+    flag_overflow: bool,
+) -> None:
+    """The two launches of :func:`lars_unit_`."""
+    _SQUARES_AND_RATES(
+        squares_and_rates,
+        grid,
+        index,
+        (table.storage, scale, lr_tensor),
+        table.w_ptrs,
+        table.g_ptrs,
+        table.numels,
+        table.first_chunk,
+        table.chunk_tensor,
+        table.chunk_start,
+        table.arrivals,
+        partials,
+        rates,
+        scale,
+        lr_tensor,
+        *scalars,
+        dtype_tl,
+        acc_tl,
+        _BLOCK,
+        _CHUNK,
+        _PARTIALS_BLOCK,
+        *flags,
+    )
+    _SCALE(
+        scale_kernel,
+        grid,
+        index,
+        (table.storage, scale, flag),
+        table.w_ptrs,
+        table.g_ptrs,
+        table.numels,
+        table.chunk_tensor,
+        table.chunk_start,
+        rates,
+        scale,
+        flag,
+        scalars[1],
+        dtype_tl,
+        acc_tl,
+        _BLOCK,
+        _CHUNK,
+        flags[0],
+        flags[-1],
+        flag_overflow,
+    )

@@ -15,7 +15,7 @@ row's norm in the pass that reads v anyway, summed in the order forward summed i
 
 :class:`FusedPlan` computes many layers (one device and dtype, whole rows) in one launch each
 way, every row of every layer one program, finding each layer's tensors through a table of
-addresses on the device (``normhooks._fusion`` decides which layers).
+addresses on the device (``normhooks._kernels._scope`` decides which layers).
 """
 
 # Triton ships without type information: its modules and @triton.jit are untyped to mypy.
@@ -32,7 +32,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from normhooks._kernels import _fused
+from normhooks._kernels import _fallback, _fused
+from normhooks._kernels._cache import KeyedCache, layout
 from normhooks._kernels._common import (
     RowPlan,
     acc_dtype,
@@ -40,7 +41,6 @@ from normhooks._kernels._common import (
     bits,
     device_index,
     div,
-    remember,
     row_partials,
     row_plan,
     segment_bounds,
@@ -584,7 +584,8 @@ class _Plan:
         return self.plain(g, v, self.dim, self.eps)
 
 
-_plans: dict[tuple[object, ...], _Plan] = {}
+# Plans by everything they are computed from (layouts and settings): valid by construction.
+_plans: KeyedCache[tuple[object, ...], _Plan] = KeyedCache()
 
 
 def plan(g: Tensor, v: Tensor, dim: int, eps: float, plain: Callable[..., Tensor]) -> _Plan:
@@ -597,7 +598,7 @@ def plan(g: Tensor, v: Tensor, dim: int, eps: float, plain: Callable[..., Tensor
     if found is None:
         _check(g, v, dim, eps)
         found = _Plan(g, v, dim % v.ndim, float(eps), plain)
-        remember(_plans, key, found)
+        _plans.put(key, found)
     return found
 
 
@@ -605,6 +606,7 @@ class _WeightNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, g: Tensor, v: Tensor, plan: _Plan) -> Tensor:
         ctx.plan = plan
+        ctx.layouts = (layout(g), layout(v))
         ctx.save_for_backward(g, v)
         contiguous = v if plan.v_contiguous else v.contiguous()
         weight = torch.empty_like(contiguous)
@@ -646,50 +648,66 @@ class _WeightNorm(torch.autograd.Function):
         plan: _Plan = ctx.plan
         if torch.is_grad_enabled():
             return (*_fused.differentiable_grads(plan, (g, v), grad_w), None)
-        contiguous = v if plan.v_contiguous else v.contiguous()
-        grad_v = torch.empty_like(contiguous)
-        grad_g = torch.empty(g.shape, dtype=g.dtype, device=g.device)
-        if plan.empty:
-            grad_g.zero_()
-        else:
-            incoming = grad_w.contiguous()
-            gains = g if plan.g_contiguous else g.contiguous()
-            dots = squares = grad_v
-            if plan.split:
-                count, dtype = plan.partials
-                planes = torch.empty((2, count), dtype=dtype, device=v.device)
-                dots, squares = planes[0], planes[1]
-                _PRODUCTS(
-                    plan.backward_kernels[0],
-                    plan.grid,
-                    plan.device,
-                    (incoming, contiguous, squares),
-                    incoming,
-                    contiguous,
-                    dots,
-                    squares,
-                    *plan.sizes,
-                    *plan.first_constexprs,
-                )
-            _BACKWARD(
-                plan.backward_kernels[1],
+        if (layout(g), layout(v)) != ctx.layouts:
+            # g or v changed layout since the forward (same values, other strides): the plan
+            # was made for the old one.
+            return (*_fused.formula_grads(plan, (g, v), grad_w), None)
+        try:
+            return _kernel_backward(ctx, g, v, plan, grad_w)
+        except Exception as error:
+            if isinstance(error, torch.OutOfMemoryError):
+                raise
+            _fallback.failed("weight normalization's backward", error)
+            return (*_fused.formula_grads(plan, (g, v), grad_w), None)
+
+
+def _kernel_backward(
+    ctx: Any, g: Tensor, v: Tensor, plan: _Plan, grad_w: Tensor
+) -> tuple[Tensor | None, ...]:
+    contiguous = v if plan.v_contiguous else v.contiguous()
+    grad_v = torch.empty_like(contiguous)
+    grad_g = torch.empty(g.shape, dtype=g.dtype, device=g.device)
+    if plan.empty:
+        grad_g.zero_()
+    else:
+        incoming = grad_w.contiguous()
+        gains = g if plan.g_contiguous else g.contiguous()
+        dots = squares = grad_v
+        if plan.split:
+            count, dtype = plan.partials
+            planes = torch.empty((2, count), dtype=dtype, device=v.device)
+            dots, squares = planes[0], planes[1]
+            _PRODUCTS(
+                plan.backward_kernels[0],
                 plan.grid,
                 plan.device,
-                # The second plane of partial sums starts wherever the first one ends.
-                (incoming, contiguous, gains, squares),
+                (incoming, contiguous, squares),
                 incoming,
                 contiguous,
-                gains,
                 dots,
                 squares,
-                grad_v,
-                grad_g,
                 *plan.sizes,
-                plan.eps_bits,
-                *plan.constexprs,
+                *plan.first_constexprs,
             )
-        needs_g, needs_v = ctx.needs_input_grad[:2]
-        return grad_g if needs_g else None, grad_v if needs_v else None, None
+        _BACKWARD(
+            plan.backward_kernels[1],
+            plan.grid,
+            plan.device,
+            # The second plane of partial sums starts wherever the first one ends.
+            (incoming, contiguous, gains, squares),
+            incoming,
+            contiguous,
+            gains,
+            dots,
+            squares,
+            grad_v,
+            grad_g,
+            *plan.sizes,
+            plan.eps_bits,
+            *plan.constexprs,
+        )
+    needs_g, needs_v = ctx.needs_input_grad[:2]
+    return grad_g if needs_g else None, grad_v if needs_v else None, None
 
 
 _APPLY = function_apply(_WeightNorm)

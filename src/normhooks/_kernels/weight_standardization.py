@@ -14,7 +14,7 @@ the second combines a row's partial sums in a fixed order.
 
 :class:`FusedPlan` standardizes many weights (one device and dtype, whole rows) in one launch
 each way, every row of every weight one program, finding each weight and gain through a
-table of addresses on the device (``normhooks._fusion`` decides which weights).
+table of addresses on the device (``normhooks._kernels._scope`` decides which weights).
 """
 
 # Triton ships without type information: its modules and @triton.jit are untyped to mypy.
@@ -31,7 +31,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from normhooks._kernels import _fused
+from normhooks._kernels import _fallback, _fused
+from normhooks._kernels._cache import KeyedCache, layout
 from normhooks._kernels._common import (
     acc_dtype,
     as_float,
@@ -39,7 +40,6 @@ from normhooks._kernels._common import (
     device_index,
     div,
     extent,
-    remember,
     row_partials,
     row_plan,
     segment_bounds,
@@ -618,7 +618,8 @@ class _Plan:
         return x.reshape(self.count, self.length), (self.length, 1)
 
 
-_plans: dict[tuple[object, ...], _Plan] = {}
+# Plans by everything they are computed from (layouts and settings): valid by construction.
+_plans: KeyedCache[tuple[object, ...], _Plan] = KeyedCache()
 
 
 def plan(x: Tensor, eps: float, gain: Tensor | None, factor: float) -> _Plan:
@@ -631,7 +632,7 @@ def plan(x: Tensor, eps: float, gain: Tensor | None, factor: float) -> _Plan:
     if found is None:
         _check(x, eps, gain)
         found = _Plan(x, float(eps), gain, float(factor))
-        remember(_plans, key, found)
+        _plans.put(key, found)
     return found
 
 
@@ -647,6 +648,7 @@ class _Standardize(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: Tensor, gain: Tensor | None, plan: _Plan) -> Tensor:
         ctx.plan = plan
+        ctx.layouts = (layout(x), None if gain is None else layout(gain))
         result = torch.empty(x.shape, dtype=x.dtype, device=x.device)
         if plan.empty:
             ctx.save_for_backward(x, gain, None)
@@ -695,53 +697,69 @@ class _Standardize(torch.autograd.Function):
         plan: _Plan = ctx.plan
         if torch.is_grad_enabled():
             return (*_fused.differentiable_grads(plan, (x, gain), grad_y), None)
-        grad_x = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-        grad_gain = None
-        if gain is not None:
-            grad_gain = torch.empty(gain.shape, dtype=gain.dtype, device=gain.device)
-            if plan.empty:
-                grad_gain.zero_()
-        if not plan.empty:
-            rows, (row_stride, stride) = plan.rows(x)
-            incoming = grad_y.contiguous()
-            incoming_sums, product_sums = _partials(plan.count, plan, stats)
-            strides = (plan.length, 1, row_stride, stride)
-            gains = rows if gain is None else gain.contiguous()
-            if plan.split:
-                _SUMS(
-                    plan.backward_kernels[0],
-                    plan.grid,
-                    plan.device,
-                    (incoming, rows, stats, product_sums),
-                    incoming,
-                    rows,
-                    stats,
-                    incoming_sums,
-                    product_sums,
-                    *plan.sizes,
-                    *strides,
-                    *plan.first_constexprs,
-                )
-            _BACKWARD(
-                plan.backward_kernels[1],
+        if (layout(x), None if gain is None else layout(gain)) != ctx.layouts:
+            # x or the gain changed layout since the forward (same values, other strides): the
+            # plan was made for the old one.
+            return (*_fused.formula_grads(plan, (x, gain), grad_y), None)
+        try:
+            return _kernel_backward(ctx, x, gain, stats, plan, grad_y)
+        except Exception as error:
+            if isinstance(error, torch.OutOfMemoryError):
+                raise
+            _fallback.failed("weight standardization's backward", error)
+            return (*_fused.formula_grads(plan, (x, gain), grad_y), None)
+
+
+def _kernel_backward(
+    ctx: Any, x: Tensor, gain: Tensor | None, stats: Tensor, plan: _Plan, grad_y: Tensor
+) -> tuple[Tensor | None, ...]:
+    grad_x = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    grad_gain = None
+    if gain is not None:
+        grad_gain = torch.empty(gain.shape, dtype=gain.dtype, device=gain.device)
+        if plan.empty:
+            grad_gain.zero_()
+    if not plan.empty:
+        rows, (row_stride, stride) = plan.rows(x)
+        incoming = grad_y.contiguous()
+        incoming_sums, product_sums = _partials(plan.count, plan, stats)
+        strides = (plan.length, 1, row_stride, stride)
+        gains = rows if gain is None else gain.contiguous()
+        if plan.split:
+            _SUMS(
+                plan.backward_kernels[0],
                 plan.grid,
                 plan.device,
-                (incoming, rows, gains, stats, product_sums),
+                (incoming, rows, stats, product_sums),
                 incoming,
                 rows,
-                gains,
                 stats,
                 incoming_sums,
                 product_sums,
-                grad_x,
-                grad_gain if grad_gain is not None else rows,
                 *plan.sizes,
                 *strides,
-                plan.factor_bits,
-                *plan.constexprs,
+                *plan.first_constexprs,
             )
-        needs_x, needs_gain = ctx.needs_input_grad[:2]
-        return grad_x if needs_x else None, grad_gain if needs_gain else None, None
+        _BACKWARD(
+            plan.backward_kernels[1],
+            plan.grid,
+            plan.device,
+            (incoming, rows, gains, stats, product_sums),
+            incoming,
+            rows,
+            gains,
+            stats,
+            incoming_sums,
+            product_sums,
+            grad_x,
+            grad_gain if grad_gain is not None else rows,
+            *plan.sizes,
+            *strides,
+            plan.factor_bits,
+            *plan.constexprs,
+        )
+    needs_x, needs_gain = ctx.needs_input_grad[:2]
+    return grad_x if needs_x else None, grad_gain if needs_gain else None, None
 
 
 _APPLY = function_apply(_Standardize)

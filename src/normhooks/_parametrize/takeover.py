@@ -22,23 +22,123 @@ The weight norm that takes over is built by the technique handed in (normhooks'
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, cast
+from typing import Any, Protocol, cast
 
 import torch
 from torch import Tensor, nn
 from torch.nn.utils import parametrize
 from torch.utils.hooks import RemovableHandle
 
-from normhooks import _parametrize, _torch_compat
-from normhooks._parametrize import Step, Technique, Undo, describe
+from normhooks import _torch_compat
+from normhooks._parametrize.checks import check_ndim, refuse_wrapped
+from normhooks._parametrize.layers import (
+    describe,
+    original,
+    originals,
+    parametrizations_of,
+    parametrized_names,
+)
+from normhooks._parametrize.registration import (
+    Step,
+    Undo,
+    bake_into,
+    register_parametrization,
+    remove_parametrizations,
+)
 from normhooks._torch_compat import own_parameters
+
+
+class TakingOver(Protocol):
+    """What a takeover reads of the weight norm's
+    :class:`~normhooks._parametrize.spec.Technique` (which builds on this module, so it is
+    named by what it offers)."""
+
+    @property
+    def what(self) -> str: ...
+
+    def layout(self, module: nn.Module, name: str, ndim: int) -> int | None: ...
+
+    def build(self, weight: Tensor, layout: int | None) -> nn.Module: ...
+
+
+# --- torch's weight norm, as found on a layer ------------------------------------------------
+
+
+class InertTorchHook:
+    """Marks a hook that normhooks registers in one of torch's hook types, so that torch's own
+    functions find it; normhooks never takes it for torch's."""
+
+
+def torch_weight_norm(module: nn.Module, name: str) -> Any:
+    """torch's weight norm on ``module.<name>``: its ``_WeightNorm`` parametrization, its legacy
+    forward pre-hook, or None.
+
+    ``torch.nn.utils.parametrizations.weight_norm`` registers a ``_WeightNorm``
+    parametrization (always innermost: it has two originals); the legacy
+    ``torch.nn.utils.weight_norm`` a forward pre-hook that owns ``<name>_g`` and ``<name>_v``.
+    Both hold ``dim``, where -1 means the norm of the whole tensor.
+    """
+    chain = parametrizations_of(module, name)
+    if chain and type(chain[0]).__name__ == "_WeightNorm":
+        return chain[0]
+    for hook in _legacy_hooks(module):
+        if hook.name == name:
+            return hook
+    return None
+
+
+def _legacy_hooks(module: nn.Module) -> list[Any]:
+    """The hooks of torch's legacy weight norm on ``module``, not the inert ones of normhooks."""
+    return [
+        hook
+        for hook in _torch_compat.forward_pre_hooks(module)
+        if isinstance(hook, _torch_compat.LegacyWeightNorm) and not isinstance(hook, InertTorchHook)
+    ]
+
+
+def is_torch_legacy_weight_norm(found: object) -> bool:
+    """Whether :func:`torch_weight_norm` found the legacy hook rather than a parametrization."""
+    return not isinstance(found, nn.Module)
+
+
+def torch_weight_norm_names(module: nn.Module) -> list[str]:
+    """Names of ``module``'s tensors that carry torch's weight norm, of either kind."""
+    names = [n for n in parametrized_names(module) if torch_weight_norm(module, n) is not None]
+    for hook in _legacy_hooks(module):
+        if hook.name not in names:
+            names.append(hook.name)
+    return names
+
+
+def has_torch_weight_norm(module: nn.Module, name: str) -> bool:
+    """Whether ``module.<name>`` carries torch's weight norm, either of its two forms."""
+    return torch_weight_norm(module, name) is not None
+
+
+def weight_norm_axis(module: nn.Module, name: str) -> tuple[bool, int | None]:
+    """Whether ``module.<name>`` is computed by a weight norm, torch's or normhooks', and the
+    axis of the weight its g runs along (None: one g for the whole tensor).
+
+    Both register a parametrization with two originals, g and v, innermost; torch's stores
+    ``dim=-1`` for the whole tensor, normhooks' ``None`` (a negative ``dim`` counts from the
+    end there).
+    """
+    chain = parametrizations_of(module, name)
+    if not chain or not hasattr(originals(module, name), "original1"):
+        return False, None
+    dim = getattr(chain[0], "dim", None)
+    ndim = original(module, name, "original1").ndim
+    if dim is None or (dim == -1 and torch_weight_norm(module, name) is not None):
+        return True, None
+    return True, int(dim) % ndim
+
 
 # The legacy keys of g and v, and the originals they are.
 _LEGACY_SUFFIXES = (("_g", "original0"), ("_v", "original1"))
 
 
 def _innermost(module: nn.Module, name: str, kind: type[nn.Module]) -> nn.Module | None:
-    chain = _parametrize.parametrizations_of(module, name)
+    chain = parametrizations_of(module, name)
     return chain[0] if chain and isinstance(chain[0], kind) else None
 
 
@@ -117,7 +217,7 @@ def install_key_hooks(
 # --- torch's legacy remove_weight_norm after a takeover --------------------------------------
 
 
-class _LegacyRemoval(_torch_compat.LegacyWeightNorm, _parametrize.InertTorchHook):
+class _LegacyRemoval(_torch_compat.LegacyWeightNorm, InertTorchHook):
     """What torch's legacy ``remove_weight_norm`` finds on a layer whose legacy weight norm
     normhooks took over: an inert forward pre-hook of torch's hook type.
 
@@ -142,7 +242,7 @@ class _LegacyRemoval(_torch_compat.LegacyWeightNorm, _parametrize.InertTorchHook
     def remove(self, module: nn.Module) -> None:
         # torch deletes this hook from the module's hook dict right after.
         if _innermost(module, self.name, self.kind) is not None:
-            _parametrize.bake_into(module, self.name, "original1")
+            bake_into(module, self.name, "original1")
 
     def __call__(self, module: nn.Module, inputs: Any) -> None:
         if not parametrize.is_parametrized(module, self.name) and self.handle is not None:
@@ -160,7 +260,7 @@ def drop_legacy_removal(module: nn.Module, name: str) -> None:
 
 
 def take_over(
-    technique: Technique[int | None],
+    technique: TakingOver,
     module: nn.Module,
     name: str,
     found: Any,
@@ -175,15 +275,11 @@ def take_over(
     the formula changes. With ``strict`` the caller's ``dim`` (resolved by
     ``technique.layout``) must be the axis torch's runs along.
     """
-    legacy = _parametrize.is_torch_legacy_weight_norm(found)
-    v = (
-        own_parameters(module)[f"{name}_v"]
-        if legacy
-        else _parametrize.original(module, name, "original1")
-    )
+    legacy = is_torch_legacy_weight_norm(found)
+    v = own_parameters(module)[f"{name}_v"] if legacy else original(module, name, "original1")
     assert v is not None  # the legacy hook registered it
-    _parametrize.refuse_wrapped(module, technique.what, v, name)
-    _parametrize.check_ndim(describe(module, name), v.ndim, technique.what)
+    refuse_wrapped(module, technique.what, v, name)
+    check_ndim(describe(module, name), v.ndim, technique.what)
     # torch's weight norm computes the norm of the whole tensor for dim=-1 (and for None,
     # which it stores as -1), and along that axis for any other dim.
     axis = None if found.dim == -1 else int(found.dim) % v.ndim
@@ -207,7 +303,7 @@ def take_over(
 
 
 def _take_over_parametrization(module: nn.Module, name: str, ours: nn.Module) -> Undo:
-    chain = _parametrize.originals(module, name)
+    chain = originals(module, name)
     theirs = chain[0]
     chain[0] = ours
     install_key_hooks(module, name, type(ours), save_legacy=False)
@@ -237,8 +333,8 @@ def _take_over_legacy(
         module.register_parameter(name, nn.Parameter(v.detach().clone(), v.requires_grad))
         # The module keeps saving g and v under the legacy hook's <name>_g / <name>_v keys.
         cast(Any, ours).legacy_keys = True
-        _parametrize.register_parametrization(module, name, ours)
-        chain = _parametrize.originals(module, name)
+        register_parametrization(module, name, ours)
+        chain = originals(module, name)
         chain.original0, chain.original1 = g, v
         install_key_hooks(module, name, type(ours), save_legacy=True)
         removal = _LegacyRemoval(name, axis, type(ours))
@@ -262,7 +358,7 @@ def _untake_legacy(
     restore_hook: Callable[[], None],
 ) -> None:
     if parametrize.is_parametrized(module, name):
-        _parametrize.remove_parametrizations(module, name, leave_parametrized=True)
+        remove_parametrizations(module, name, leave_parametrized=True)
     drop_legacy_removal(module, name)
     if name in own_parameters(module):
         delattr(module, name)

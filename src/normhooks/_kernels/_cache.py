@@ -1,0 +1,160 @@
+"""What the speed path keeps across calls, and the one rule of whether a kept thing holds.
+
+Every cache of the speed path is a :class:`KeyedCache`: a bounded mapping that drops its least
+recently used entry when full. A cache is valid by construction when its key holds everything
+its value was computed from (a kernel plan keyed by the tensors' :func:`layout` and the
+settings; a table of addresses keyed by the addresses); what is kept by identity instead (a
+weight served inside a forward, a fused backward's inputs) is checked against a
+:func:`state` taken when it was computed, by :func:`holds`. That rule covers what can change
+under a tensor without a new object: its version (any in-place op), its storage (a ``.data``
+assignment, which keeps the tensor's identity and version), its shape, strides, dtype and
+device (``model.double()``, ``p.data = p.data.contiguous(memory_format=...)``), and whether it
+requires grad. Where a technique's inputs live (a gain as a Parameter or a buffer) is checked
+by the caller, which keeps the dict it found each one in (see ``_scope``).
+
+What no rule here can see: a write into a tensor's values through ``.data`` (``p.data.mul_(2)``
+bumps the version of the ``.data`` alias, not of ``p``). Outside a forward nothing is served,
+so it is always seen; inside one, the speed path documents it (``docs/caching.md``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
+from typing import Generic, TypeVar
+
+import torch
+from torch import Tensor
+
+K = TypeVar("K")
+V = TypeVar("V")
+
+# Entries a cache keeps unless it says otherwise: a model has a few dozen layouts; a process
+# that keeps making new ones drops the oldest rather than grow.
+DEFAULT_SIZE = 4096
+
+
+class KeyedCache(Generic[K, V]):
+    """A mapping of at most ``size`` entries that drops the least recently used one.
+
+    A hit moves its entry to the most recent end; inserts (and evictions) take a lock, so
+    threads (optimizer steps of models trained side by side) may share a cache; a hit needs
+    none.
+    """
+
+    __slots__ = ("_entries", "_lock", "size")
+
+    def __init__(self, size: int = DEFAULT_SIZE) -> None:
+        self.size = size
+        self._entries: OrderedDict[K, V] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, key: K) -> V | None:
+        found = self._entries.get(key)
+        if found is not None:
+            # Dropped by another thread since: nothing to move.
+            with contextlib.suppress(KeyError):
+                self._entries.move_to_end(key)
+        return found
+
+    def put(self, key: K, value: V) -> V:
+        with self._lock:
+            self._entries[key] = value
+            self._entries.move_to_end(key)
+            while len(self._entries) > self.size:
+                self._entries.popitem(last=False)
+        return value
+
+    def get_or_make(self, key: K, make: Callable[[], V]) -> V:
+        found = self.get(key)
+        return self.put(key, make()) if found is None else found
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
+
+    def values(self) -> list[V]:
+        return list(self._entries.values())
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._entries
+
+    def __iter__(self) -> Iterator[K]:
+        return iter(list(self._entries))
+
+
+# --- the validity rule ------------------------------------------------------------------------
+
+
+Layout = tuple[type, torch.Size, tuple[int, ...], torch.dtype, torch.device]
+
+
+def layout(tensor: Tensor) -> Layout:
+    """What a kernel plan of ``tensor`` is computed from: its type, shape, strides, dtype and
+    device (a plan keyed by these is never stale)."""
+    return type(tensor), tensor.shape, tensor.stride(), tensor.dtype, tensor.device
+
+
+class State:
+    """A tensor as something was computed from it: :func:`holds` tells whether it still is.
+
+    Keeps the tensor's storage alive, so that an address equal to the one recorded is the
+    same memory (a storage freed by a ``.data`` assignment cannot be reused under it).
+    """
+
+    __slots__ = ("address", "layout", "requires_grad", "storage", "tensor", "version")
+
+    def __init__(self, tensor: Tensor, known: Layout | None = None) -> None:
+        self.tensor = tensor
+        self.version = tensor._version
+        self.address = tensor.data_ptr()
+        self.storage = tensor.untyped_storage()
+        self.layout = layout(tensor) if known is None else known
+        self.requires_grad = tensor.requires_grad
+
+    def again(self) -> State:
+        """The tensor's state now, where its layout is known to be the one recorded."""
+        return State(self.tensor, self.layout)
+
+    def holds(self, tensor: Tensor | None) -> bool:
+        """Whether ``tensor`` is the tensor recorded, unchanged: same object, version, memory,
+        layout and ``requires_grad``."""
+        # The layout field by field, cheapest first (this runs at every served access); the
+        # type of the same object cannot change.
+        known = self.layout
+        return (
+            tensor is self.tensor
+            and tensor._version == self.version
+            and tensor.data_ptr() == self.address
+            and tensor.stride() == known[2]
+            and tensor.shape == known[1]
+            and tensor.dtype == known[3]
+            and tensor.device == known[4]
+            and tensor.requires_grad == self.requires_grad
+        )
+
+    def moved(self) -> bool:
+        """Whether the tensor got other memory (same layout), as FSDP1 and ZeRO-3 do."""
+        return self.tensor.data_ptr() != self.address
+
+    def relaid(self) -> bool:
+        """Whether the tensor's layout (shape, strides, dtype, device) changed."""
+        return layout(self.tensor) != self.layout
+
+    def modified(self) -> bool:
+        """Whether the tensor was written in place since (a new version)."""
+        return self.tensor._version != self.version
+
+
+def state(tensor: Tensor) -> State:
+    return State(tensor)
+
+
+def holds(states: tuple[State, ...], tensors: tuple[Tensor | None, ...]) -> bool:
+    """Whether every tensor is the one its state recorded, unchanged (see :class:`State`)."""
+    return all(s.holds(t) for s, t in zip(states, tensors, strict=True))

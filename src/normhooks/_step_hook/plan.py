@@ -1,0 +1,215 @@
+"""The plan kept between steps: what is checked and grouped once per state of the param groups.
+
+Validation, settings and overrides, and the grouping into units do not change from step to
+step: they are planned once and reused while a fingerprint of the param groups holds (the
+groups and their entries by identity, each parameter's identity, dtype and address). It reads
+no tensor value. Under ``torch.compile`` nothing is kept: everything is planned afresh.
+"""
+
+from __future__ import annotations
+
+import operator
+import warnings
+import weakref
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from normhooks import _torch_compat as compat
+from normhooks._step_hook.checks import check_not_flattened, check_param, check_rows_are_local
+from normhooks._step_hook.core import HookCore
+from normhooks._step_hook.settings import Settings
+from normhooks._step_hook.units import _Unit, _units
+
+_DTYPE = operator.attrgetter("dtype")
+_PLAIN = (Tensor, nn.Parameter)
+
+
+@dataclass
+class _GroupPlan:
+    """One param group as planned: what it was then, and its settings and units.
+
+    ``fingerprint`` is None where the group cannot be fingerprinted (tensor subclasses other
+    than plain tensors): it is then planned again at every step.
+    """
+
+    group: Mapping[str, Any]
+    params: list[Any]
+    items: dict[str, object]
+    settings: Settings | None
+    units: list[_Unit]
+    where: Callable[[int], str]
+    fingerprint: tuple[list[torch.dtype], list[int]] | None = None
+
+    def holds(self, group: Mapping[str, Any]) -> bool:
+        """Whether ``group`` is still what was planned (no tensor value is read)."""
+        if group is not self.group or not _same_items(group, self.items):
+            return False
+        return self.settings is None or self.same_params(group["params"])
+
+    def same_params(self, params: Sequence[Any]) -> bool:
+        """Whether ``params`` are the planned parameters, with their dtypes and addresses."""
+        if len(params) != len(self.params) or not all(map(operator.is_, params, self.params)):
+            return False
+        return self.fingerprint is not None and self.fingerprint == _fingerprint(params)
+
+
+def _items(group: Mapping[str, Any]) -> dict[str, object]:
+    return {key: value for key, value in group.items() if key != "params"}
+
+
+def _same_items(group: Mapping[str, Any], items: Mapping[str, object]) -> bool:
+    """The group's entries other than params are the objects planned (compared by identity:
+    equality would read a tensor lr back to the host)."""
+    if len(group) != len(items) + 1:
+        return False
+    missing = object()
+    return all(group.get(key, missing) is value for key, value in items.items())
+
+
+def _fingerprint(params: Sequence[Tensor]) -> tuple[list[torch.dtype], list[int]]:
+    """Each parameter's dtype and address: a ``.data =`` that moves it, converts it or swaps
+    its storage changes one of them."""
+    return list(map(_DTYPE, params)), list(map(Tensor.data_ptr, params))
+
+
+def _namer(group_index: int) -> Callable[[int], str]:
+    return lambda position: f"parameter {position} of param group {group_index}"
+
+
+class Planning(HookCore):
+    """The hook's planning: each optimizer's group plans, checked again where they changed."""
+
+    def __init__(self, *, foreach: bool | None = None, **settings: object) -> None:
+        super().__init__(foreach=foreach, **settings)
+        self._plans: weakref.WeakKeyDictionary[torch.optim.Optimizer, list[_GroupPlan]] = (
+            weakref.WeakKeyDictionary()
+        )
+        # The param groups warned about, per optimizer: each warning is given once.
+        self._warned: weakref.WeakKeyDictionary[torch.optim.Optimizer, set[int]] = (
+            weakref.WeakKeyDictionary()
+        )
+
+    def _plan(self, optimizer: torch.optim.Optimizer) -> list[_GroupPlan]:
+        """Every param group as planned, after checking what changed since the last plan.
+
+        Under ``torch.compile`` everything is planned afresh: the fingerprint reads tensor
+        addresses, which a trace cannot.
+        """
+        groups = optimizer.param_groups
+        if torch.compiler.is_compiling():
+            return self._new_plan(optimizer, groups, [])
+        old = self._plans.get(optimizer)
+        if (
+            old is not None
+            and len(old) == len(groups)
+            and all(plan.holds(group) for plan, group in zip(old, groups, strict=True))
+        ):
+            return old
+        plan = self._new_plan(optimizer, groups, old or [])
+        self._plans[optimizer] = plan
+        return plan
+
+    def _new_plan(
+        self,
+        optimizer: torch.optim.Optimizer,
+        groups: Sequence[Mapping[str, Any]],
+        old: Sequence[_GroupPlan],
+    ) -> list[_GroupPlan]:
+        """Plans every group (reusing the units of groups whose parameters did not change),
+        checks that no parameter is in two groups that take part, and changes nothing."""
+        plans = []
+        for index, group in enumerate(groups):
+            settings = self._group_settings(optimizer, group, index)
+            previous = old[index] if index < len(old) else None
+            plans.append(self._plan_group(group, index, settings, previous))
+        seen: dict[int, tuple[int, int]] = {}
+        for index, plan in enumerate(plans):
+            if plan.settings is None:
+                continue
+            for position, param in enumerate(plan.params):
+                first = seen.setdefault(id(param), (index, position))
+                if first != (index, position):
+                    # torch's add_param_group refuses this, but param_groups can be edited.
+                    raise ValueError(
+                        f"parameter {position} of param group {index} is the same tensor as "
+                        f"parameter {first[1]} of param group {first[0]}; {self.technique} "
+                        "would be applied to it twice"
+                    )
+        return plans
+
+    def _plan_group(
+        self,
+        group: Mapping[str, Any],
+        index: int,
+        settings: Settings | None,
+        previous: _GroupPlan | None,
+    ) -> _GroupPlan:
+        params = list(group["params"])
+        where = _namer(index)
+        if settings is None:
+            return _GroupPlan(group, params, _items(group), None, [], where)
+        if previous is not None and previous.settings is not None and previous.same_params(params):
+            return _GroupPlan(
+                group, params, _items(group), settings, previous.units, where, previous.fingerprint
+            )
+        positions = range(len(params))
+        self._check_params(params, positions, where)
+        units = _units(params, positions, where, self.technique)
+        fingerprint = None
+        # A trace cannot read addresses; and under it nothing is kept from one step to the next.
+        if not torch.compiler.is_compiling() and all(type(p) in _PLAIN for p in params):
+            fingerprint = _fingerprint(params)
+        return _GroupPlan(group, params, _items(group), settings, units, where, fingerprint)
+
+    @classmethod
+    def _check_params(
+        cls, params: Sequence[object], positions: Iterable[int], where: Callable[[int], str]
+    ) -> None:
+        foreign = compat.fsdp1_possible() or compat.deepspeed_possible()
+        for position, param in zip(positions, params, strict=True):
+            tensor = check_param(param, where(position), cls.technique)
+            if foreign and compat.may_carry_marks(tensor):
+                check_not_flattened(tensor, where(position), cls.technique)
+            if cls.row_wise:
+                check_rows_are_local(tensor, where(position), cls.technique, cls.prefix)
+            cls._check_param(tensor, where(position))
+
+    def _group_settings(
+        self, optimizer: torch.optim.Optimizer, group: Mapping[str, Any], index: int
+    ) -> Settings | None:
+        prefix = self.prefix
+        enabled = group.get(prefix, True)
+        if not isinstance(enabled, bool):
+            raise TypeError(
+                f'param group {index}: "{prefix}" must be a bool, got "{prefix}"={enabled!r}'
+            )
+        names = {self._key(name): name for name in self._settings_class._names()}
+        overrides = {}
+        for key, value in group.items():
+            if key.startswith(prefix + "_"):
+                if key not in names:
+                    raise ValueError(
+                        f"param group {index}: unknown key '{key}'; expected one of "
+                        + ", ".join(f"'{k}'" for k in names)
+                    )
+                overrides[names[key]] = value
+        if not enabled:
+            return None
+        settings: Settings = self._as_settings()
+        try:
+            if overrides:
+                merged = {name: getattr(self, name) for name in self._settings_class._names()}
+                settings = self._settings_class._checked(merged | overrides, self._key)
+            warning = self._check_group(group, settings)
+        except (TypeError, ValueError) as error:
+            raise type(error)(f"param group {index}: {error}") from None
+        if warning is not None:
+            warned = self._warned.setdefault(optimizer, set())
+            if index not in warned:
+                warned.add(index)
+                warnings.warn(f"param group {index}: {warning}", UserWarning, stacklevel=5)
+        return settings

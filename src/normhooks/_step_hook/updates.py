@@ -1,0 +1,108 @@
+"""An update hook's run: the old values kept during the step, and the post-step.
+
+A hook that rewrites the updates (the trust ratio) copies every parameter that takes part
+before the optimizer's step and, after it, rescales each parameter's change from the revert
+``w_old - w_new``, with the norms of the old values and of the revert.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from normhooks import _torch_compat as compat
+from normhooks._step_hook.copies import _Copies, _fresh_copies
+from normhooks._step_hook.core import HookCore
+from normhooks._step_hook.norms import euclidean_norms
+from normhooks._step_hook.plan import _GroupPlan
+from normhooks._step_hook.settings import Lr, Settings
+from normhooks._step_hook.units import _Bound, _full_shapes, _in_order, sum_over_shards
+
+
+@dataclass
+class _UpdateInFlight:
+    """What an update hook's pre-step keeps for its post-step: each group's units at this
+    step (their ``sources`` the old values) and each group's settings and lr."""
+
+    bound: Sequence[Sequence[_Bound]]
+    jobs: list[tuple[Settings | None, Lr]]
+    held: list[_Copies]
+
+
+class UpdateRun(HookCore):
+    """An update hook's pre-step copies and post-step."""
+
+    def __init__(self, *, foreach: bool | None = None, **settings: object) -> None:
+        super().__init__(foreach=foreach, **settings)
+        self._pending: weakref.WeakKeyDictionary[torch.optim.Optimizer, _UpdateInFlight] = (
+            weakref.WeakKeyDictionary()
+        )
+
+    def _keep_old_values(
+        self,
+        optimizer: torch.optim.Optimizer,
+        plan: Sequence[_GroupPlan],
+        bound: Sequence[Sequence[_Bound]],
+    ) -> None:
+        """An update hook's pre-step: the old value of every parameter that takes part, in its
+        unit's buffer."""
+        held = []
+        compiling = torch.compiler.is_compiling()
+        for of_group in bound:
+            for b in of_group:
+                if compiling:
+                    # Nothing outlives a trace, and it cannot read a storage's size.
+                    b.sources = _fresh_copies(b.params, self._foreach)
+                    continue
+                copies = b.unit.copies
+                if copies is None or not copies.fits(b.params):
+                    copies = b.unit.copies = _Copies(b.params)
+                b.sources = copies.hold(b.params, self._foreach)
+                held.append(copies)
+        jobs = [(group_plan.settings, group_plan.group.get("lr")) for group_plan in plan]
+        self._pending[optimizer] = _UpdateInFlight(bound, jobs, held)
+
+    def _after_step(
+        self, optimizer: torch.optim.Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> None:
+        """An update hook's post-step: every unit's norms (the old parameters', then the
+        revert's), one all-reduce for all the sharded units, then the technique."""
+        pending = self._pending.pop(optimizer, None)
+        if pending is None:
+            return
+        flat = [b for of_group in pending.bound for b in of_group]
+        foreach = self._foreach
+        with torch.no_grad():
+            squares = {}
+            for i, b in enumerate(flat):
+                olds = b.sources
+                w_norm = euclidean_norms(olds, foreach)
+                if foreach is False:
+                    for old, param in zip(olds, b.params, strict=True):
+                        old.sub_(param)
+                else:
+                    compat.foreach_sub_(olds, b.params)
+                b.norms = (w_norm, euclidean_norms(olds, foreach))
+                if b.unit.reduce:
+                    squares[i] = torch.cat(b.norms).square()
+            for i, total in sum_over_shards(flat, squares).items():
+                w_norm, d_norm = total.sqrt().chunk(2)
+                flat[i].norms = (w_norm, d_norm)
+            results = []
+            for (settings, lr), of_group in zip(pending.jobs, pending.bound, strict=True):
+                per_unit = []
+                for b in of_group:
+                    extra = {"shapes": _full_shapes(b)} if self.full_shapes else {}
+                    values = type(self)._unit_(
+                        b.params, b.sources, settings, lr, norms=b.norms, foreach=foreach, **extra
+                    )
+                    if values is not None:
+                        per_unit.append((b.positions, values))
+                results.append(_in_order(per_unit) if per_unit else torch.empty(0))
+            self._last_values = results
+        for copies in pending.held:
+            copies.release()
