@@ -33,7 +33,7 @@ from normhooks._step_hook import (
     StepHook,
     _Bound,
     _in_order,
-    _Pending,
+    _UpdateInFlight,
     euclidean_norms,
     setting,
 )
@@ -343,8 +343,10 @@ class TrustRatio(StepHook, TrustRatioSettings):
     Cost: one copy of the parameters taking part, one flat buffer per device and dtype: kept
     between steps on the CPU (where freeing and allocating it again would fault every page
     in at each step), given back to the caching allocator after each step elsewhere; the
-    copy, the norms and the rescaling are multi-tensor ops (``foreach``), and nothing is read
-    back to the host. The optimizer's ``state_dict`` is untouched.
+    copy, the norms and the rescaling are multi-tensor ops (``foreach``), except that on the
+    CPU each long float32 tensor's norms and difference are taken in turn, while it is in
+    cache (:func:`norms_and_reverts_`); nothing is read back to the host. The optimizer's
+    ``state_dict`` is untouched.
 
     Precision: the update is read as a difference of parameters after the optimizer has
     rounded :math:`w_{new}`, whose rounding error (half a unit in the last place) the ratio
@@ -457,7 +459,7 @@ class TrustRatio(StepHook, TrustRatioSettings):
             if token is not None:
                 _STEPPING.reset(token)
 
-    def _finish_in_cache_order(self, pending: _Pending, flat: list[_Bound]) -> None:
+    def _finish_in_cache_order(self, pending: _UpdateInFlight, flat: list[_Bound]) -> None:
         """The base's post-step, with every unit's norms from :func:`norms_and_reverts_`."""
         with torch.no_grad():
             for b in flat:
