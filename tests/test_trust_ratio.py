@@ -721,14 +721,22 @@ def test_float32_trajectory_drift_from_float64() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "error", "match"),
     [
-        ({"threshold": -1.0}, ValueError, r"threshold must be non-negative, got threshold=-1.0"),
+        (
+            {"threshold": -1.0},
+            ValueError,
+            r"threshold must be non-negative or math\.inf, got threshold=-1.0",
+        ),
         ({"eps": -1e-9}, ValueError, r"eps must be non-negative, got eps=-1e-09"),
         ({"eps": math.nan}, ValueError, r"eps must be finite, got eps=nan"),
         ({"trust_coefficient": 0.0}, ValueError, r"trust_coefficient must be positive"),
         ({"clip": 0.0}, ValueError, r"clip must be positive, got clip=0.0"),
         ({"clip": True}, TypeError, r"clip must be a real number, got clip=True"),
         ({"threshold": "1"}, TypeError, r"threshold must be a real number, got threshold='1'"),
-        ({"threshold": -math.inf}, ValueError, r"threshold must be finite, got threshold=-inf"),
+        (
+            {"threshold": -math.inf},
+            ValueError,
+            r"threshold must be non-negative or math\.inf, got threshold=-inf",
+        ),
         ({"floor": 0.0}, ValueError, r"floor must be positive, got floor=0.0"),
         ({"floor": 2.0, "clip": 1.0}, ValueError, r"floor must be at most clip, got floor=2.0"),
         ({"max_weight_norm": 0.0}, ValueError, r"max_weight_norm must be positive"),

@@ -305,8 +305,9 @@ def lars_param_groups(
       with one output or one input (``nn.Linear(32, 1)``'s ``[1, 32]``);
     - ``by="module"``: the parameters of normalization layers (batch, instance, layer, group
       and RMS norm) and those whose name ends in ``bias``, as lightly's
-      ``get_weight_decay_parameters`` splits them for its SimCLR, BYOL and Barlow Twins recipes:
-      every other weight is scaled, ``[1, 32]`` included, and so is weight normalization's g.
+      ``get_weight_decay_parameters`` splits them for its SimCLR, BYOL and Barlow Twins recipes
+      (except RMS norm, which lightly's list lacks and so scales): every other weight is
+      scaled, ``[1, 32]`` included, and so is weight normalization's g.
 
     Empty groups are left out.
 
@@ -347,7 +348,8 @@ def lars_param_groups(
 
 
 # The normalization layers whose affine parameters LARS leaves alone (lightly's list, in the
-# public classes: the lazy ones derive from none of the others).
+# public classes: the lazy ones derive from none of the others), and RMS norm, which lightly's
+# list predates: its weight is a norm layer's gain like LayerNorm's.
 _NORM_LAYERS: tuple[type[nn.Module], ...] = (
     nn.BatchNorm1d,
     nn.BatchNorm2d,

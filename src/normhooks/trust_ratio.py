@@ -19,6 +19,7 @@ import math
 import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass
+from numbers import Real
 from typing import Any
 
 import torch
@@ -47,6 +48,8 @@ def _non_negative_or_inf(name: str, value: object) -> float:
     # math.inf never takes the ratio: with bias_correction=False, the uncorrected Adam step.
     if value == math.inf and not isinstance(value, bool):
         return math.inf
+    if isinstance(value, Real) and not isinstance(value, bool) and not float(value) >= 0:
+        raise ValueError(f"{name} must be non-negative or math.inf, got {name}={value!r}")
     return _checks.non_negative(name, value)
 
 
