@@ -179,11 +179,18 @@ def _door_for(parametrization: type) -> Door | None:
 
 
 def door_of(parametrization: object) -> Door | None:
-    """The door registered for ``parametrization``'s class (or the nearest base), or None."""
-    for cls in type(parametrization).__mro__:
+    """The door registered for ``parametrization``'s class (or the nearest base), or None.
+
+    None for a subclass whose ``forward`` is not its technique's own (one defined outside the
+    module of the class the door was registered for): a fused launch computes the
+    technique's formula, not what that ``forward`` returns.
+    """
+    kind = type(parametrization)
+    for cls in kind.__mro__:
         door = _DOORS.get(cls)
         if door is not None:
-            return door
+            forward = getattr(kind, "forward", None)
+            return door if getattr(forward, "__module__", None) == cls.__module__ else None
     return None
 
 

@@ -110,7 +110,7 @@ _CLOSED = _Level(None)
 class _Served:
     """A member's ``ParametrizationList.forward`` while its scope serves its fused weight."""
 
-    __slots__ = ("chain", "checks", "inference", "level", "stream", "weight")
+    __slots__ = ("address", "chain", "checks", "inference", "level", "stream", "version", "weight")
 
     def __init__(
         self,
@@ -124,14 +124,25 @@ class _Served:
         self.chain = chain
         self.level = level
         self.weight = weight
+        # The served weight as computed: a layer's code that writes into the weight it got
+        # (``layer.weight.data = ...``, an in-place op under no_grad) changes a temporary
+        # without fusion, so later accesses compute the weight afresh.
+        self.address = 0 if weight is None else weight.data_ptr()
+        self.version = 0 if weight is None else weight._version
         self.checks = checks
         self.inference = inference
         self.stream = stream
 
     def __call__(self) -> Tensor:
-        if self._current() and self.level.live():
-            assert self.weight is not None  # an open level serves a computed weight
-            return self.weight
+        weight = self.weight
+        if (
+            weight is not None
+            and weight._version == self.version
+            and weight.data_ptr() == self.address
+            and self._current()
+            and self.level.live()
+        ):
+            return weight
         result: Tensor = type(self.chain).forward(self.chain)
         return result
 
