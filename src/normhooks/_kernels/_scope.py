@@ -127,8 +127,9 @@ class _Served:
         # The served weight as computed: a layer's code that writes into the weight it got
         # (``layer.weight.data = ...``, an in-place op under no_grad) changes a temporary
         # without fusion, so later accesses compute the weight afresh.
+        # (Inference tensors keep no version: served in inference mode only, see _current.)
         self.address = 0 if weight is None else weight.data_ptr()
-        self.version = 0 if weight is None else weight._version
+        self.version = -1 if weight is None or inference else weight._version
         self.checks = checks
         self.inference = inference
         self.stream = stream
@@ -137,7 +138,7 @@ class _Served:
         weight = self.weight
         if (
             weight is not None
-            and weight._version == self.version
+            and (self.inference or weight._version == self.version)
             and weight.data_ptr() == self.address
             and self._current()
             and self.level.live()
