@@ -212,3 +212,41 @@ ROUTED_CRASH = [
 @pytest.mark.parametrize("kind", list(CONVERT))
 def test_an_in_place_op_on_the_computed_weight_under_no_grad_trains(kind: str, path: str) -> None:
     assert_trains_as_without_kernels(with_pre_hook(CONVERT[kind], write_weight_in_place))
+
+
+# --- a setting changed inside the forward -------------------------------------------------------
+
+SETTINGS = [
+    pytest.param("wn-fused", "eps", 1e6, id="wn-eps"),
+    pytest.param("ws-fused", "eps", 1e6, id="ws-eps"),
+    pytest.param("scaled-fused", "eps", 1e6, id="scaled-eps"),
+    pytest.param("scaled-fused", "gamma", 2.0, id="scaled-gamma"),
+]
+
+
+@pytest.mark.parametrize(("kind", "setting", "factor"), SETTINGS)
+def test_a_setting_changed_in_a_pre_hook_is_used_by_that_forward(
+    kind: str, setting: str, factor: float, route: str
+) -> None:
+    # A schedule that anneals eps (or gamma) at each forward, from a layer's pre-hook.
+    def anneal(module: nn.Module, args: object) -> None:
+        technique = module.parametrizations.weight[0]
+        setattr(technique, setting, getattr(technique, setting) * factor)
+
+    assert_trains_as_without_kernels(with_pre_hook(CONVERT[kind], anneal))
+
+
+# --- a gain of weight normalization that is not contiguous --------------------------------------
+
+
+@pytest.mark.parametrize("fuse", [True, False], ids=["fused", "per-layer"])
+def test_weight_norm_with_a_non_contiguous_g_trains(fuse: bool, route: str) -> None:
+    def build() -> nn.Module:
+        model = apply_weight_norm(cnn(), fuse=fuse)
+        g = model[2].parametrizations.weight.original0
+        storage = torch.linspace(0.5, 1.5, 2 * g.numel(), dtype=torch.float64)
+        g.data = storage.as_strided(g.shape, (2,) + (1,) * (g.ndim - 1))
+        assert not g.is_contiguous()
+        return model
+
+    assert_trains_as_without_kernels(build)

@@ -236,6 +236,10 @@ class WeightNormDoor(Door):
             # On an accelerator without Triton, autograd's own graph of the formula launches
             # about as many kernels as the closed-form backward and runs no Python in backward.
             return self.formula(g, v, dim, eps)
+        # torch's fused op and its backward take a contiguous g only ("saved_g must be
+        # contiguous"); a copy is part of the graph.
+        if not g.is_contiguous():
+            g = g.contiguous()
         return _cpu.weight_norm(g, v, dim, eps, self.closed_form)
 
     def plan(self, parametrization: Any, g: Tensor, v: Tensor, route: Route) -> Any:

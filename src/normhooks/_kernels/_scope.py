@@ -110,7 +110,18 @@ _CLOSED = _Level(None)
 class _Served:
     """A member's ``ParametrizationList.forward`` while its scope serves its fused weight."""
 
-    __slots__ = ("address", "chain", "checks", "inference", "level", "stream", "version", "weight")
+    __slots__ = (
+        "address",
+        "chain",
+        "checks",
+        "inference",
+        "level",
+        "member",
+        "settings",
+        "stream",
+        "version",
+        "weight",
+    )
 
     def __init__(
         self,
@@ -120,8 +131,13 @@ class _Served:
         checks: tuple[_Check, ...],
         inference: bool,
         stream: tuple[int, int] | None = None,
+        member: _Member | None = None,
     ) -> None:
         self.chain = chain
+        # The settings the weight was computed with (an eps or gamma changed inside the
+        # forward, by a schedule in a pre-hook, is seen at the next access).
+        self.member = member
+        self.settings = None if member is None or member.stamp is None else member.stamp[0]
         self.level = level
         self.weight = weight
         # The served weight as computed: a layer's code that writes into the weight it got
@@ -152,6 +168,9 @@ class _Served:
         for owner, key, state in self.checks:
             if not state.holds(owner.get(key)):
                 return False
+        member = self.member
+        if member is not None and member.door.settings(member.parametrization) != self.settings:
+            return False
         # Under saved-tensor hooks (non-reentrant checkpointing) the layer computes its
         # weight itself, as the recomputation in backward will, which must save what the
         # forward saved.
@@ -483,7 +502,7 @@ class Fusion:
             if device.type == "cuda":
                 stream = (device.index, _torch_compat.current_raw_stream(device.index))
             for member, weight, checks in zip(group.members, weights, group.checks, strict=True):
-                served = _Served(member.chain, level, weight, checks, inference, stream)
+                served = _Served(member.chain, level, weight, checks, inference, stream, member)
                 member.chain.__dict__["forward"] = served
                 level.served.append((member.chain, served))
 
