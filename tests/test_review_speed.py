@@ -23,7 +23,8 @@ from normhooks import (
     apply_weight_standardization,
     set_kernels_enabled,
 )
-from normhooks._kernels import _scope
+from normhooks._kernels import _door, _scope
+from normhooks._kernels._cache import KeyedCache
 
 ROUTED = os.environ.get("TRITON_INTERPRET") == "1" and _kernels._triton_found()
 
@@ -250,3 +251,39 @@ def test_weight_norm_with_a_non_contiguous_g_trains(fuse: bool, route: str) -> N
         return model
 
     assert_trains_as_without_kernels(build)
+
+
+# --- turning the kernels on again after a fallback ----------------------------------------------
+
+
+def test_a_layout_whose_fused_plan_failed_is_fused_again_once_the_kernels_are_on_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    if not ROUTED:
+        pytest.skip("runs the kernels on CPU tensors through Triton's interpreter")
+    # Layouts met by other tests keep what they found: this one meets its layout first.
+    monkeypatch.setattr(_door, "_ROUTES", KeyedCache())
+    model = apply_weight_norm(cnn())
+    served: list[bool] = []
+    model[0].register_forward_hook(
+        lambda m, a, o: served.append(
+            isinstance(m.parametrizations.weight.__dict__.get("forward"), _scope._Served)
+        )
+    )
+    fusable = _kernels.weight_norm_fusable
+
+    def fails_once(plan: object) -> bool:
+        monkeypatch.setattr(_kernels, "weight_norm_fusable", fusable)
+        raise RuntimeError("no kernel here")
+
+    monkeypatch.setattr(_kernels, "weight_norm_fusable", fails_once)
+    x = torch.randn(1, 2, 5, 5, dtype=torch.float64)
+    try:
+        with _kernels.route_cpu_tensors(), pytest.warns(RuntimeWarning, match="no kernel here"):
+            model(x)
+        set_kernels_enabled(True)
+        with _kernels.route_cpu_tensors():
+            model(x)
+    finally:
+        set_kernels_enabled(True)
+    assert served == [False, True]

@@ -127,7 +127,11 @@ class Door(abc.ABC):
         route = self.route(parametrization, present)
         group = route.group
         if group is None:
-            group = route.group = self.fusion_group(parametrization, tensors, route)
+            group = self.fusion_group(parametrization, tensors, route)
+            # Not kept where a kernel failed finding it (the fallback): the layout joins a
+            # fused launch again once the kernels are turned on again.
+            if not _fallback.broken():
+                route.group = group
         # A route found in the cache is of plain tensors of one device, whose type was
         # checked: for the CPU the routing switch remains.
         if group is False or group is None:

@@ -475,7 +475,9 @@ class Fusion:
             group.checks.append(checks)
         if stale:
             self.members = [m for m in self.members if m.current()]
-        return groups, reusable
+        # A kernel that failed finding a layer's launch (the fallback) left it out: found
+        # again once the kernels are turned on again.
+        return groups, reusable and not _fallback.broken()
 
     def _serve(self, groups: dict[_Key, _Group], level: _Level) -> None:
         on_cuda = any(key[1].type == "cuda" for key, _, _ in groups)
