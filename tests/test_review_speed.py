@@ -131,7 +131,9 @@ CONVERT = {
 }
 
 
-def with_pre_hook(convert: Callable[[nn.Module], nn.Module], hook: Callable[..., None]):  # type: ignore[no-untyped-def]
+def with_pre_hook(
+    convert: Callable[[nn.Module], nn.Module], hook: Callable[..., None]
+) -> Callable[[], nn.Module]:
     def build() -> nn.Module:
         model = convert(cnn())
         model[2].register_forward_pre_hook(hook)
