@@ -17,8 +17,11 @@ forward. It returns the fused weight only while the scope is open and its forwar
 (its frame is on the stack: a scope left open by a ``KeyboardInterrupt``, which
 ``always_call`` hooks do not run for, closes at its next access), the tensors it was computed
 from still hold by the one validity rule (``_cache.State``: same objects, versions, memory,
-layouts, ``requires_grad``, found in the same dicts), and (on CUDA) the current stream is the
-one it was computed on; otherwise it computes the weight as the layer would. Nothing global
+layouts, ``requires_grad``, found in the same dicts), its parametrization's settings are the
+ones it was computed with (an ``eps`` or ``gamma`` set by a pre-hook), the served weight
+itself was not written (``layer.weight.data = ...``, an in-place op: without fusion these
+change a temporary), and (on CUDA) the current stream is the one it was computed on;
+otherwise it computes the weight as the layer would. Nothing global
 changes. torch's own ``parametrize.cached()``
 would be cheaper to serve from, but it keys its cache by the module that registered the
 parametrization, which a deep copy shares with its original (a copy inside the scope would
