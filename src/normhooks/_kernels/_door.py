@@ -127,7 +127,11 @@ class Door(abc.ABC):
         route = self.route(parametrization, present)
         group = route.group
         if group is None:
-            group = route.group = self.fusion_group(parametrization, tensors, route)
+            group = self.fusion_group(parametrization, tensors, route)
+            # Not kept where a kernel failed finding it (the fallback): the layout joins a
+            # fused launch again once the kernels are turned on again.
+            if not _fallback.broken():
+                route.group = group
         # A route found in the cache is of plain tensors of one device, whose type was
         # checked: for the CPU the routing switch remains.
         if group is False or group is None:
@@ -179,11 +183,18 @@ def _door_for(parametrization: type) -> Door | None:
 
 
 def door_of(parametrization: object) -> Door | None:
-    """The door registered for ``parametrization``'s class (or the nearest base), or None."""
-    for cls in type(parametrization).__mro__:
+    """The door registered for ``parametrization``'s class (or the nearest base), or None.
+
+    None for a subclass whose ``forward`` is not its technique's own (one defined outside the
+    module of the class the door was registered for): a fused launch computes the
+    technique's formula, not what that ``forward`` returns.
+    """
+    kind = type(parametrization)
+    for cls in kind.__mro__:
         door = _DOORS.get(cls)
         if door is not None:
-            return door
+            forward = getattr(kind, "forward", None)
+            return door if getattr(forward, "__module__", None) == cls.__module__ else None
     return None
 
 
@@ -229,6 +240,10 @@ class WeightNormDoor(Door):
             # On an accelerator without Triton, autograd's own graph of the formula launches
             # about as many kernels as the closed-form backward and runs no Python in backward.
             return self.formula(g, v, dim, eps)
+        # torch's fused op and its backward take a contiguous g only ("saved_g must be
+        # contiguous"); a copy is part of the graph.
+        if not g.is_contiguous():
+            g = g.contiguous()
         return _cpu.weight_norm(g, v, dim, eps, self.closed_form)
 
     def plan(self, parametrization: Any, g: Tensor, v: Tensor, route: Route) -> Any:

@@ -17,8 +17,11 @@ forward. It returns the fused weight only while the scope is open and its forwar
 (its frame is on the stack: a scope left open by a ``KeyboardInterrupt``, which
 ``always_call`` hooks do not run for, closes at its next access), the tensors it was computed
 from still hold by the one validity rule (``_cache.State``: same objects, versions, memory,
-layouts, ``requires_grad``, found in the same dicts), and (on CUDA) the current stream is the
-one it was computed on; otherwise it computes the weight as the layer would. Nothing global
+layouts, ``requires_grad``, found in the same dicts), its parametrization's settings are the
+ones it was computed with (an ``eps`` or ``gamma`` set by a pre-hook), the served weight
+itself was not written (``layer.weight.data = ...``, an in-place op: without fusion these
+change a temporary), and (on CUDA) the current stream is the one it was computed on;
+otherwise it computes the weight as the layer would. Nothing global
 changes. torch's own ``parametrize.cached()``
 would be cheaper to serve from, but it keys its cache by the module that registered the
 parametrization, which a deep copy shares with its original (a copy inside the scope would
@@ -110,7 +113,18 @@ _CLOSED = _Level(None)
 class _Served:
     """A member's ``ParametrizationList.forward`` while its scope serves its fused weight."""
 
-    __slots__ = ("chain", "checks", "inference", "level", "stream", "weight")
+    __slots__ = (
+        "address",
+        "chain",
+        "checks",
+        "inference",
+        "level",
+        "member",
+        "settings",
+        "stream",
+        "version",
+        "weight",
+    )
 
     def __init__(
         self,
@@ -120,18 +134,35 @@ class _Served:
         checks: tuple[_Check, ...],
         inference: bool,
         stream: tuple[int, int] | None = None,
+        member: _Member | None = None,
     ) -> None:
         self.chain = chain
+        # The settings the weight was computed with (an eps or gamma changed inside the
+        # forward, by a schedule in a pre-hook, is seen at the next access).
+        self.member = member
+        self.settings = None if member is None or member.stamp is None else member.stamp[0]
         self.level = level
         self.weight = weight
+        # The served weight as computed: a layer's code that writes into the weight it got
+        # (``layer.weight.data = ...``, an in-place op under no_grad) changes a temporary
+        # without fusion, so later accesses compute the weight afresh.
+        # (Inference tensors keep no version: served in inference mode only, see _current.)
+        self.address = 0 if weight is None else weight.data_ptr()
+        self.version = -1 if weight is None or inference else weight._version
         self.checks = checks
         self.inference = inference
         self.stream = stream
 
     def __call__(self) -> Tensor:
-        if self._current() and self.level.live():
-            assert self.weight is not None  # an open level serves a computed weight
-            return self.weight
+        weight = self.weight
+        if (
+            weight is not None
+            and (self.inference or weight._version == self.version)
+            and weight.data_ptr() == self.address
+            and self._current()
+            and self.level.live()
+        ):
+            return weight
         result: Tensor = type(self.chain).forward(self.chain)
         return result
 
@@ -140,6 +171,9 @@ class _Served:
         for owner, key, state in self.checks:
             if not state.holds(owner.get(key)):
                 return False
+        member = self.member
+        if member is not None and member.door.settings(member.parametrization) != self.settings:
+            return False
         # Under saved-tensor hooks (non-reentrant checkpointing) the layer computes its
         # weight itself, as the recomputation in backward will, which must save what the
         # forward saved.
@@ -444,7 +478,9 @@ class Fusion:
             group.checks.append(checks)
         if stale:
             self.members = [m for m in self.members if m.current()]
-        return groups, reusable
+        # A kernel that failed finding a layer's launch (the fallback) left it out: found
+        # again once the kernels are turned on again.
+        return groups, reusable and not _fallback.broken()
 
     def _serve(self, groups: dict[_Key, _Group], level: _Level) -> None:
         on_cuda = any(key[1].type == "cuda" for key, _, _ in groups)
@@ -471,7 +507,7 @@ class Fusion:
             if device.type == "cuda":
                 stream = (device.index, _torch_compat.current_raw_stream(device.index))
             for member, weight, checks in zip(group.members, weights, group.checks, strict=True):
-                served = _Served(member.chain, level, weight, checks, inference, stream)
+                served = _Served(member.chain, level, weight, checks, inference, stream, member)
                 member.chain.__dict__["forward"] = served
                 level.served.append((member.chain, served))
 
