@@ -119,7 +119,19 @@ class State:
 
     def again(self) -> State:
         """The tensor's state now, where its layout is known to be the one recorded."""
-        return State(self.tensor, self.layout)
+        tensor = self.tensor
+        if tensor.data_ptr() != self.address:
+            return State(tensor, self.layout)
+        # The same address is the same memory (the storage kept alive holds it): the storage
+        # object is taken over rather than asked of the tensor again, the costly read.
+        now = State.__new__(State)
+        now.tensor = tensor
+        now.version = tensor._version
+        now.address = self.address
+        now.storage = self.storage
+        now.layout = self.layout
+        now.requires_grad = tensor.requires_grad
+        return now
 
     def holds(self, tensor: Tensor | None) -> bool:
         """Whether ``tensor`` is the tensor recorded, unchanged: same object, version, memory,
