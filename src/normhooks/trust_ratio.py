@@ -33,7 +33,6 @@ from normhooks._step_hook import (
     Settings,
     StepHook,
     _Bound,
-    _in_order,
     _UpdateInFlight,
     euclidean_norms,
     setting,
@@ -467,42 +466,16 @@ class TrustRatio(StepHook, TrustRatioSettings):
         with torch.no_grad():
             for b in flat:
                 b.norms = norms_and_reverts_(b.sources, b.params)
-            results = []
-            for (settings, lr), of_group in zip(pending.jobs, pending.bound, strict=True):
-                per_unit = []
-                for b in of_group:
-                    values = type(self)._unit_(
-                        b.params, b.sources, settings, lr, norms=b.norms, foreach=self._foreach
-                    )
-                    if values is not None:
-                        per_unit.append((b.positions, values))
-                results.append(_in_order(per_unit) if per_unit else torch.empty(0))
-            self._last_values = results
-        for copies in pending.held:
-            copies.release()
+            self._rescale_updates(pending)
 
     def _check_group(self, group: Mapping[str, Any], settings: TrustRatioSettings) -> str | None:
         _check_bounds(settings, "trust_floor", "trust_clip")
-        lr = group.get("lr")
-        if not isinstance(lr, Tensor) and (
-            isinstance(lr, bool) or not isinstance(lr, (int, float)) or not 0 <= lr < float("inf")
-        ):
-            raise ValueError(
-                "TrustRatio divides the update by the group's learning rate, which must be a "
-                f'non-negative finite number or a tensor, but the group has "lr"={lr!r}'
-            )
+        self._check_update_group(group)
         return None
 
     @classmethod
     def _check_param(cls, param: Tensor, where: str) -> None:
-        if param.dtype not in _EXACT_DTYPES:
-            raise TypeError(
-                f"{where} is {param.dtype}; TrustRatio needs float32 or float64 parameters: "
-                "the optimizer rounds its update to the parameter's dtype before the hook "
-                "reads it, and in half precision that loses most of a small update. Keep "
-                'float32 parameters and use torch.autocast, or opt the group out with "trust": '
-                "False"
-            )
+        cls._check_update_dtype(param, where)
 
     @property
     def last_ratios(self) -> list[Tensor]:

@@ -31,7 +31,6 @@ __all__ = ["UpdateRMS", "rms_ratios"]
 
 Rule = Literal["clip", "match"]
 _RULES = ("clip", "match")
-_EXACT_DTYPES = (torch.float32, torch.float64)
 # Adafactor's d (section 6) and the RMS of AdamW's update that Moonlight matches.
 _PAPERS_RMS = {"clip": 1.0, "match": 0.2}
 
@@ -187,25 +186,12 @@ class UpdateRMS(StepHook, UpdateRMSSettings):
         super().__init__(rule=rule, rms=rms, foreach=foreach)
 
     def _check_group(self, group: Mapping[str, Any], settings: UpdateRMSSettings) -> str | None:
-        lr = group.get("lr")
-        if not isinstance(lr, Tensor) and (
-            isinstance(lr, bool) or not isinstance(lr, (int, float)) or not 0 <= lr < float("inf")
-        ):
-            raise ValueError(
-                "UpdateRMS divides the update by the group's learning rate, which must be a "
-                f'non-negative finite number or a tensor, but the group has "lr"={lr!r}'
-            )
+        self._check_update_group(group)
         return None
 
     @classmethod
     def _check_param(cls, param: Tensor, where: str) -> None:
-        if param.dtype not in _EXACT_DTYPES:
-            raise TypeError(
-                f"{where} is {param.dtype}; UpdateRMS needs float32 or float64 parameters: the "
-                "optimizer rounds its update to the parameter's dtype before the hook reads "
-                "it, and in half precision that loses most of a small update. Keep float32 "
-                'parameters and use torch.autocast, or opt the group out with "update": False'
-            )
+        cls._check_update_dtype(param, where)
 
     @property
     def last_ratios(self) -> list[Tensor]:

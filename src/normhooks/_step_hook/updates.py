@@ -8,11 +8,12 @@ before the optimizer's step and, after it, rescales each parameter's change from
 from __future__ import annotations
 
 import weakref
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch import Tensor
 
 from normhooks import _torch_compat as compat
 from normhooks._step_hook.copies import _Copies, _fresh_copies
@@ -92,17 +93,49 @@ class UpdateRun(HookCore):
             for i, total in sum_over_shards(flat, squares).items():
                 w_norm, d_norm = total.sqrt().chunk(2)
                 flat[i].norms = (w_norm, d_norm)
-            results = []
-            for (settings, lr), of_group in zip(pending.jobs, pending.bound, strict=True):
-                per_unit = []
-                for b in of_group:
-                    extra = {"shapes": _full_shapes(b)} if self.full_shapes else {}
-                    values = type(self)._unit_(
-                        b.params, b.sources, settings, lr, norms=b.norms, foreach=foreach, **extra
-                    )
-                    if values is not None:
-                        per_unit.append((b.positions, values))
-                results.append(_in_order(per_unit) if per_unit else torch.empty(0))
-            self._last_values = results
+            self._rescale_updates(pending)
+
+    def _rescale_updates(self, pending: _UpdateInFlight) -> None:
+        """The technique on every unit whose norms are set, its values kept per group (as
+        ``last_*``), and the old values' copies released for the next step."""
+        foreach = self._foreach
+        results = []
+        for (settings, lr), of_group in zip(pending.jobs, pending.bound, strict=True):
+            per_unit = []
+            for b in of_group:
+                extra = {"shapes": _full_shapes(b)} if self.full_shapes else {}
+                values = type(self)._unit_(
+                    b.params, b.sources, settings, lr, norms=b.norms, foreach=foreach, **extra
+                )
+                if values is not None:
+                    per_unit.append((b.positions, values))
+            results.append(_in_order(per_unit) if per_unit else torch.empty(0))
+        self._last_values = results
         for copies in pending.held:
             copies.release()
+
+    @classmethod
+    def _check_update_group(cls, group: Mapping[str, Any]) -> None:
+        """Refuses a group whose lr the update cannot be divided by (the update is read as
+        ``w_old - w_new``, the optimizer's step times its lr)."""
+        lr = group.get("lr")
+        if not isinstance(lr, Tensor) and (
+            isinstance(lr, bool) or not isinstance(lr, (int, float)) or not 0 <= lr < float("inf")
+        ):
+            raise ValueError(
+                f"{cls.__name__} divides the update by the group's learning rate, which must be "
+                f'a non-negative finite number or a tensor, but the group has "lr"={lr!r}'
+            )
+
+    @classmethod
+    def _check_update_dtype(cls, param: Tensor, where: str) -> None:
+        """Refuses a half-precision parameter, whose update the optimizer has already rounded
+        away by the time the hook reads it."""
+        if param.dtype not in (torch.float32, torch.float64):
+            raise TypeError(
+                f"{where} is {param.dtype}; {cls.__name__} needs float32 or float64 parameters: "
+                "the optimizer rounds its update to the parameter's dtype before the hook "
+                "reads it, and in half precision that loses most of a small update. Keep "
+                "float32 parameters and use torch.autocast, or opt the group out with "
+                f'"{cls.prefix}": False'
+            )
