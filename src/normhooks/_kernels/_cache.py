@@ -107,7 +107,7 @@ class State:
     same memory (a storage freed by a ``.data`` assignment cannot be reused under it).
     """
 
-    __slots__ = ("address", "layout", "requires_grad", "storage", "tensor", "version")
+    __slots__ = ("address", "fields", "layout", "requires_grad", "storage", "tensor", "version")
 
     def __init__(self, tensor: Tensor, known: Layout | None = None) -> None:
         self.tensor = tensor
@@ -116,6 +116,7 @@ class State:
         self.storage = tensor.untyped_storage()
         self.layout = layout(tensor) if known is None else known
         self.requires_grad = tensor.requires_grad
+        self.fields = _fields(self)
 
     def again(self) -> State:
         """The tensor's state now, where its layout is known to be the one recorded."""
@@ -131,24 +132,15 @@ class State:
         now.storage = self.storage
         now.layout = self.layout
         now.requires_grad = tensor.requires_grad
+        now.fields = _fields(now)
         return now
 
     def holds(self, tensor: Tensor | None) -> bool:
         """Whether ``tensor`` is the tensor recorded, unchanged: same object, version, memory,
         layout and ``requires_grad``."""
-        # The layout field by field, cheapest first (this runs at every served access); the
-        # type of the same object cannot change.
-        known = self.layout
-        return (
-            tensor is self.tensor
-            and tensor._version == self.version
-            and tensor.data_ptr() == self.address
-            and tensor.stride() == known[2]
-            and tensor.shape == known[1]
-            and tensor.dtype == known[3]
-            and tensor.device == known[4]
-            and tensor.requires_grad == self.requires_grad
-        )
+        # One comparison of :func:`fields_of` (the served accesses inline it); the type of the
+        # same object is checked by identity.
+        return tensor is self.tensor and fields_of(tensor) == self.fields
 
     def moved(self) -> bool:
         """Whether the tensor got other memory (same layout), as FSDP1 and ZeRO-3 do."""
@@ -161,6 +153,37 @@ class State:
     def modified(self) -> bool:
         """Whether the tensor was written in place since (a new version)."""
         return self.tensor._version != self.version
+
+
+Fields = tuple[int, int, tuple[int, ...], torch.Size, torch.dtype, torch.device, bool]
+
+
+def fields_of(tensor: Tensor) -> Fields:
+    """What :meth:`State.holds` compares of a tensor it kept by identity, in one tuple: its
+    version, address, strides, shape, dtype, device and ``requires_grad`` (a served access
+    builds the same tuple inline, see ``_scope._Served``)."""
+    return (
+        tensor._version,
+        tensor.data_ptr(),
+        tensor.stride(),
+        tensor.shape,
+        tensor.dtype,
+        tensor.device,
+        tensor.requires_grad,
+    )
+
+
+def _fields(state: State) -> Fields:
+    known = state.layout
+    return (
+        state.version,
+        state.address,
+        known[2],
+        known[1],
+        known[3],
+        known[4],
+        state.requires_grad,
+    )
 
 
 def state(tensor: Tensor) -> State:

@@ -87,17 +87,6 @@ class _Level:
         self.open = frame is not None
         self.served: list[tuple[nn.Module, _Served]] = []
 
-    def live(self) -> bool:
-        """Whether the forward it brackets still runs: a scope left open by a
-        KeyboardInterrupt (which ``always_call`` hooks do not run for) closes at its next
-        access, and never serves."""
-        if not self.open:
-            return False
-        if self.frame is not None and _on_stack(self.frame):
-            return True
-        self.close()
-        return False
-
     def close(self) -> None:
         self.open = False
         for chain, served in self.served:
@@ -154,37 +143,72 @@ class _Served:
         self.stream = stream
 
     def __call__(self) -> Tensor:
+        # The checks of :meth:`_current` and :meth:`_Level.live`, inlined: this runs at every
+        # access of every served weight. Any failing check computes the weight as the layer
+        # would.
         weight = self.weight
         if (
-            weight is not None
-            and (self.inference or weight._version == self.version)
-            and weight.data_ptr() == self.address
-            and self._current()
-            and self.level.live()
+            weight is None
+            or (not self.inference and weight._version != self.version)
+            or weight.data_ptr() != self.address
         ):
-            return weight
-        result: Tensor = type(self.chain).forward(self.chain)
-        return result
-
-    def _current(self) -> bool:
-        """Whether the fused weight is the one the layer would compute here and now."""
+            return self._own()
+        # Each original: the same object in the same dict, with the fields its state recorded
+        # (``_cache.fields_of``, built inline).
         for owner, key, state in self.checks:
-            if not state.holds(owner.get(key)):
-                return False
+            tensor = owner.get(key)
+            if tensor is not state.tensor or (
+                tensor._version,
+                tensor.data_ptr(),
+                tensor.stride(),
+                tensor.shape,
+                tensor.dtype,
+                tensor.device,
+                tensor.requires_grad,
+            ) != state.fields:
+                return self._own()
         member = self.member
         if member is not None and member.door.settings(member.parametrization) != self.settings:
-            return False
+            return self._own()
         # Under saved-tensor hooks (non-reentrant checkpointing) the layer computes its
         # weight itself, as the recomputation in backward will, which must save what the
         # forward saved.
         if _torch_compat.saved_tensors_hooked():
-            return False
+            return self._own()
         # A CUDA weight was computed on one stream: another one would read it unsynchronized.
         stream = self.stream
         if stream is not None and _torch_compat.current_raw_stream(stream[0]) != stream[1]:
-            return False
+            return self._own()
         # Inference tensors cannot enter a graph: served only in inference mode.
-        return not self.inference or torch.is_inference_mode_enabled()
+        if self.inference and not torch.is_inference_mode_enabled():
+            return self._own()
+        # The forward it was computed for still runs: a scope left open by a
+        # KeyboardInterrupt (which ``always_call`` hooks do not run for) closes at its next
+        # access, and never serves.
+        level = self.level
+        if not level.open:
+            return self._own()
+        frame = level.frame
+        # First where its frame was found last time for this member: a frame the level holds
+        # is never freed, so finding that very object on this stack means its forward still
+        # runs (a confirmation only; anything else takes the whole walk).
+        if member is not None:
+            try:
+                if sys._getframe(member.depth) is frame:
+                    return weight
+            except ValueError:  # a shallower stack
+                pass
+        depth = -1 if frame is None else _depth(frame)
+        if depth < 0:
+            level.close()
+            return self._own()
+        if member is not None:
+            member.depth = depth
+        return weight
+
+    def _own(self) -> Tensor:
+        result: Tensor = type(self.chain).forward(self.chain)
+        return result
 
     def __reduce__(self) -> tuple[Callable[..., _Served], tuple[nn.Module]]:
         # A copy (deepcopy, pickle) of a model inside or after an interrupted scope gets one
@@ -199,7 +223,16 @@ def _closed(chain: nn.Module) -> _Served:
 class _Member:
     """A parametrized tensor of the model that a fused launch may compute."""
 
-    __slots__ = ("chain", "door", "holder", "module", "name", "parametrization", "stamp")
+    __slots__ = (
+        "chain",
+        "depth",
+        "door",
+        "holder",
+        "module",
+        "name",
+        "parametrization",
+        "stamp",
+    )
 
     def __init__(self, module: nn.Module, name: str) -> None:
         self.module = module
@@ -216,6 +249,9 @@ class _Member:
         self.door: Door = door
         # What its fused inputs were last found from (see _stamp).
         self.stamp: _Stamp | None = None
+        # How many frames above a served access of its weight its scope's frame was found
+        # last time (see _Served.__call__).
+        self.depth = 1
 
     def current(self) -> bool:
         """Whether the tensor still carries the one parametrization it had when found."""
@@ -563,6 +599,20 @@ def _on_stack(target: FrameType) -> bool:
             return True
         frame = frame.f_back
     return False
+
+
+def _depth(target: FrameType) -> int:
+    """How many frames above its caller ``target`` runs (``sys._getframe(depth)`` there), or
+    -1 where it runs no more: a walk to it (a scope's frame is an ancestor of every access it
+    serves)."""
+    frame: FrameType | None = sys._getframe(1)
+    depth = 0
+    while frame is not None:
+        if frame is target:
+            return depth
+        frame = frame.f_back
+        depth += 1
+    return -1
 
 
 class _Open:
