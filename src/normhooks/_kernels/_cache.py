@@ -23,7 +23,7 @@ import contextlib
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 import torch
 from torch import Tensor
@@ -118,23 +118,6 @@ class State:
         self.requires_grad = tensor.requires_grad
         self.fields = _fields(self)
 
-    def again(self) -> State:
-        """The tensor's state now, where its layout is known to be the one recorded."""
-        tensor = self.tensor
-        if tensor.data_ptr() != self.address:
-            return State(tensor, self.layout)
-        # The same address is the same memory (the storage kept alive holds it): the storage
-        # object is taken over rather than asked of the tensor again, the costly read.
-        now = State.__new__(State)
-        now.tensor = tensor
-        now.version = tensor._version
-        now.address = self.address
-        now.storage = self.storage
-        now.layout = self.layout
-        now.requires_grad = tensor.requires_grad
-        now.fields = _fields(now)
-        return now
-
     def holds(self, tensor: Tensor | None) -> bool:
         """Whether ``tensor`` is the tensor recorded, unchanged: same object, version, memory,
         layout and ``requires_grad``."""
@@ -184,6 +167,44 @@ def _fields(state: State) -> Fields:
         known[4],
         state.requires_grad,
     )
+
+
+def taken_again(
+    checks: list[tuple[tuple[Any, str, State], ...]],
+) -> list[tuple[tuple[Any, str, State], ...]]:
+    """Each check of each layer with its tensor's state now, where its layout is known to be
+    the one recorded (a scope takes every original's state again, in one call)."""
+    result = []
+    for layer in checks:
+        now_layer = []
+        for owner, key, state in layer:
+            tensor = state.tensor
+            address = tensor.data_ptr()
+            if address != state.address:
+                now = State(tensor, state.layout)
+            else:
+                # The same address is the same memory (the storage kept alive holds it): the
+                # storage object is taken over rather than asked of the tensor again, the
+                # costly read.
+                now = State.__new__(State)
+                now.tensor = tensor
+                now.version = tensor._version
+                now.address = address
+                now.storage = state.storage
+                now.layout = known = state.layout
+                now.requires_grad = tensor.requires_grad
+                now.fields = (
+                    now.version,
+                    address,
+                    known[2],
+                    known[1],
+                    known[3],
+                    known[4],
+                    now.requires_grad,
+                )
+            now_layer.append((owner, key, now))
+        result.append(tuple(now_layer))
+    return result
 
 
 def state(tensor: Tensor) -> State:

@@ -72,7 +72,7 @@ from torch import Tensor, nn
 
 from normhooks import _kernels, _parametrize, _torch_compat
 from normhooks._kernels import _fallback
-from normhooks._kernels._cache import layout
+from normhooks._kernels._cache import taken_again
 from normhooks._kernels._door import Check as _Check
 from normhooks._kernels._door import Door, Source, door_of
 
@@ -262,51 +262,38 @@ class _Member:
         return modules.get("0") is self.parametrization and "1" not in modules
 
 
-# What a member's fused inputs depend on besides the tensors' values: its settings, and, for
-# each tensor a launch takes from it, where it lives (the dict: a gain as a Parameter or a
-# buffer), the tensor (kept: its identity) and what its route was keyed by, with whether it
-# requires grad. Metadata only (a write through ``.data`` changes a tensor's layout without a
-# new version); the values are the served weights' checks, read at each scope and access.
-_Stamp = tuple[
-    tuple[object, ...],
-    tuple[Source, ...] | None,
-    tuple[Tensor | None, ...],
-    tuple[tuple[object, ...] | None, ...],
-]
+# What a member's fused inputs depend on besides the tensors' values: its settings, where a
+# launch finds its tensors (None where it takes none), and, for each of them, where it lives
+# (the dict: a gain as a Parameter or a buffer), the tensor (kept: its identity) and its
+# metadata (:func:`_metadata`: what its route was keyed by, with whether it requires grad).
+# Metadata only (a write through ``.data`` changes a tensor's layout without a new version);
+# the values are the served weights' checks, read at each scope and access.
+_Found = tuple[dict[str, Any], str, Tensor | None, tuple[object, ...] | None]
+_Stamp = tuple[tuple[object, ...], tuple[Source, ...] | None, tuple[_Found, ...]]
 
 
 def _metadata(tensor: Tensor | None) -> tuple[object, ...] | None:
+    # Fusion._holds builds the same tuple inline.
     if tensor is None:
         return None
-    return (*layout(tensor), tensor.requires_grad)
+    return (
+        type(tensor),
+        tensor.shape,
+        tensor.stride(),
+        tensor.dtype,
+        tensor.device,
+        tensor.requires_grad,
+    )
 
 
 def _stamp(member: _Member) -> _Stamp:
     parametrization = member.parametrization
     sources = member.door.sources(parametrization, member.chain)
-    tensors = () if sources is None else tuple([owner.get(key) for owner, key in sources])
-    settings = member.door.settings(parametrization)
-    return settings, sources, tensors, tuple([_metadata(t) for t in tensors])
-
-
-def _unchanged(member: _Member) -> bool:
-    """Whether what ``member``'s fused inputs were found from holds: the same settings, and
-    the same tensors with the same metadata."""
-    stamp = member.stamp
-    if stamp is None:
-        return False
-    settings, sources, tensors, metas = stamp
-    parametrization = member.parametrization
-    if member.door.settings(parametrization) != settings:
-        return False
-    if sources is None:
-        return member.door.sources(parametrization, member.chain) is None
-    # A tensor that moved between dicts (a gain made a buffer) is no longer where it was
-    # found: the identity check below sees it.
-    for (owner, key), tensor, meta in zip(sources, tensors, metas, strict=True):
-        if owner.get(key) is not tensor or (tensor is not None and _metadata(tensor) != meta):
-            return False
-    return True
+    found: list[_Found] = []
+    for owner, key in () if sources is None else sources:
+        tensor = owner.get(key)
+        found.append((owner, key, tensor, _metadata(tensor)))
+    return member.door.settings(parametrization), sources, tuple(found)
 
 
 def _candidates(module: nn.Module) -> Iterator[str]:
@@ -345,15 +332,12 @@ class _Group:
         these."""
         # Their layouts are the ones found (the scope took these groups again because no
         # member's metadata changed).
-        self.checks = [
-            tuple([(owner, key, state.again()) for owner, key, state in checks])
-            for checks in self.checks
-        ]
+        self.checks = taken_again(self.checks)
 
 
 class _Layout:
     """The groups of a model's last scope, and whether a scope may take them again: while
-    every member is current and :func:`_unchanged`, under the same CPU routing."""
+    every member is current and unchanged (:meth:`Fusion._holds`), under the same CPU routing."""
 
     __slots__ = ("groups", "reusable", "routing")
 
@@ -456,16 +440,50 @@ class Fusion:
         return groups
 
     def _holds(self, layout: _Layout) -> bool:
+        """Whether every member is current (:meth:`_Member.current`), served by no other
+        open scope, and what its fused inputs were found from holds: the same settings, and
+        the same tensors in the same dicts with the same metadata (:func:`_metadata`). Inlined
+        here: this runs for every member at every scope."""
         if not layout.reusable:
             return False
         for member in self.members:
-            if not member.current():
+            holder, chain = member.holder, member.chain
+            if (
+                member.module._modules.get("parametrizations") is not holder
+                or holder._modules.get(member.name) is not chain
+            ):
                 return False
-            existing = member.chain.__dict__.get("forward")
+            modules = chain._modules
+            parametrization = member.parametrization
+            if modules.get("0") is not parametrization or "1" in modules:
+                return False
+            existing = chain.__dict__.get("forward")
             if existing is not None and not self._replaceable(existing):
                 return False
-            if not _unchanged(member):
+            stamp = member.stamp
+            if stamp is None:
                 return False
+            settings, sources, found = stamp
+            if member.door.settings(parametrization) != settings:
+                return False
+            if sources is None:
+                if member.door.sources(parametrization, chain) is not None:
+                    return False
+                continue
+            # A tensor that moved between dicts (a gain made a buffer) is no longer where it
+            # was found: the identity check sees it.
+            for owner, key, tensor, meta in found:
+                if owner.get(key) is not tensor:
+                    return False
+                if tensor is not None and (
+                    type(tensor),
+                    tensor.shape,
+                    tensor.stride(),
+                    tensor.dtype,
+                    tensor.device,
+                    tensor.requires_grad,
+                ) != meta:
+                    return False
         return True
 
     def _found(self) -> tuple[dict[_Key, _Group], bool]:
