@@ -254,13 +254,29 @@ class _Fused(torch.autograd.Function):
         buffers = ctx.saved_tensors
         tensors = ctx.inputs
         plan: FusedPlan[Any] = ctx.plan
-        # The inputs of the layers whose weights got a gradient.
-        used = [
-            i for layer, g in enumerate(grads) if g is not None for i in (2 * layer, 2 * layer + 1)
-        ]
-        check_unmodified([(tensors[i], ctx.versions[i]) for i in used])
+        # The inputs of the layers whose weights got a gradient, in one pass: each must be
+        # unmodified since the forward (the first that is not raises, as check_unmodified of
+        # all of them would), and whether any changed layout (``_cache.layout``, inline).
+        versions, layouts = ctx.versions, plan.layouts
+        relaid = False
+        for layer, g in enumerate(grads):
+            if g is None:
+                continue
+            for i in (2 * layer, 2 * layer + 1):
+                tensor = tensors[i]
+                if tensor is None:
+                    continue
+                if tensor._version != versions[i]:
+                    check_unmodified(((tensor, versions[i]),))  # raises autograd's error
+                if (
+                    type(tensor),
+                    tensor.shape,
+                    tensor.stride(),
+                    tensor.dtype,
+                    tensor.device,
+                ) != layouts[i]:
+                    relaid = True
         result: list[Tensor | None] = [None]
-        relaid = any(tensors[i] is not None and layout(tensors[i]) != plan.layouts[i] for i in used)
         if torch.is_grad_enabled() or relaid:
             # create_graph: through the plain formula, layer by layer; the same where an input
             # changed layout since the forward (same values, other strides), which the layers'

@@ -157,15 +157,19 @@ class _Served:
         # (``_cache.fields_of``, built inline).
         for owner, key, state in self.checks:
             tensor = owner.get(key)
-            if tensor is not state.tensor or (
-                tensor._version,
-                tensor.data_ptr(),
-                tensor.stride(),
-                tensor.shape,
-                tensor.dtype,
-                tensor.device,
-                tensor.requires_grad,
-            ) != state.fields:
+            if (
+                tensor is not state.tensor
+                or (
+                    tensor._version,
+                    tensor.data_ptr(),
+                    tensor.stride(),
+                    tensor.shape,
+                    tensor.dtype,
+                    tensor.device,
+                    tensor.requires_grad,
+                )
+                != state.fields
+            ):
                 return self._own()
         member = self.member
         if member is not None and member.door.settings(member.parametrization) != self.settings:
@@ -475,14 +479,18 @@ class Fusion:
             for owner, key, tensor, meta in found:
                 if owner.get(key) is not tensor:
                     return False
-                if tensor is not None and (
-                    type(tensor),
-                    tensor.shape,
-                    tensor.stride(),
-                    tensor.dtype,
-                    tensor.device,
-                    tensor.requires_grad,
-                ) != meta:
+                if (
+                    tensor is not None
+                    and (
+                        type(tensor),
+                        tensor.shape,
+                        tensor.stride(),
+                        tensor.dtype,
+                        tensor.device,
+                        tensor.requires_grad,
+                    )
+                    != meta
+                ):
                     return False
         return True
 
