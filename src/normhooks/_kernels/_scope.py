@@ -458,8 +458,9 @@ class Fusion:
             ):
                 return False
             modules = chain._modules
-            parametrization = member.parametrization
-            if modules.get("0") is not parametrization or "1" in modules:
+            first = modules.get("0")
+            # (Never None: a member's parametrization has a door.)
+            if first is None or first is not member.parametrization or "1" in modules:
                 return False
             existing = chain.__dict__.get("forward")
             if existing is not None and not self._replaceable(existing):
@@ -468,10 +469,10 @@ class Fusion:
             if stamp is None:
                 return False
             settings, sources, found = stamp
-            if member.door.settings(parametrization) != settings:
+            if member.door.settings(member.parametrization) != settings:
                 return False
             if sources is None:
-                if member.door.sources(parametrization, chain) is not None:
+                if member.door.sources(member.parametrization, chain) is not None:
                     return False
                 continue
             # A tensor that moved between dicts (a gain made a buffer) is no longer where it
