@@ -143,9 +143,8 @@ class _Served:
         self.stream = stream
 
     def __call__(self) -> Tensor:
-        # The checks of :meth:`_current` and :meth:`_Level.live`, inlined: this runs at every
-        # access of every served weight. Any failing check computes the weight as the layer
-        # would.
+        # Every check inline, in one function: this runs at every access of every served
+        # weight. Any failing check computes the weight as the layer would.
         weight = self.weight
         if (
             weight is None
