@@ -19,11 +19,10 @@ so it is always seen; inside one, the speed path documents it (``docs/caching.md
 
 from __future__ import annotations
 
-import contextlib
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 import torch
 from torch import Tensor
@@ -52,11 +51,14 @@ class KeyedCache(Generic[K, V]):
         self._lock = threading.Lock()
 
     def get(self, key: K) -> V | None:
-        found = self._entries.get(key)
+        entries = self._entries
+        found = entries.get(key)
         if found is not None:
-            # Dropped by another thread since: nothing to move.
-            with contextlib.suppress(KeyError):
-                self._entries.move_to_end(key)
+            # A try, not contextlib.suppress: a hit runs at every access of a layer's route.
+            try:  # noqa: SIM105
+                entries.move_to_end(key)
+            except KeyError:  # dropped by another thread since: nothing to move
+                pass
         return found
 
     def put(self, key: K, value: V) -> V:
@@ -107,7 +109,7 @@ class State:
     same memory (a storage freed by a ``.data`` assignment cannot be reused under it).
     """
 
-    __slots__ = ("address", "layout", "requires_grad", "storage", "tensor", "version")
+    __slots__ = ("address", "fields", "layout", "requires_grad", "storage", "tensor", "version")
 
     def __init__(self, tensor: Tensor, known: Layout | None = None) -> None:
         self.tensor = tensor
@@ -116,39 +118,14 @@ class State:
         self.storage = tensor.untyped_storage()
         self.layout = layout(tensor) if known is None else known
         self.requires_grad = tensor.requires_grad
-
-    def again(self) -> State:
-        """The tensor's state now, where its layout is known to be the one recorded."""
-        tensor = self.tensor
-        if tensor.data_ptr() != self.address:
-            return State(tensor, self.layout)
-        # The same address is the same memory (the storage kept alive holds it): the storage
-        # object is taken over rather than asked of the tensor again, the costly read.
-        now = State.__new__(State)
-        now.tensor = tensor
-        now.version = tensor._version
-        now.address = self.address
-        now.storage = self.storage
-        now.layout = self.layout
-        now.requires_grad = tensor.requires_grad
-        return now
+        self.fields = _fields(self)
 
     def holds(self, tensor: Tensor | None) -> bool:
         """Whether ``tensor`` is the tensor recorded, unchanged: same object, version, memory,
         layout and ``requires_grad``."""
-        # The layout field by field, cheapest first (this runs at every served access); the
-        # type of the same object cannot change.
-        known = self.layout
-        return (
-            tensor is self.tensor
-            and tensor._version == self.version
-            and tensor.data_ptr() == self.address
-            and tensor.stride() == known[2]
-            and tensor.shape == known[1]
-            and tensor.dtype == known[3]
-            and tensor.device == known[4]
-            and tensor.requires_grad == self.requires_grad
-        )
+        # One comparison of :func:`fields_of` (the served accesses inline it); the type of the
+        # same object is checked by identity.
+        return tensor is self.tensor and fields_of(tensor) == self.fields
 
     def moved(self) -> bool:
         """Whether the tensor got other memory (same layout), as FSDP1 and ZeRO-3 do."""
@@ -161,6 +138,75 @@ class State:
     def modified(self) -> bool:
         """Whether the tensor was written in place since (a new version)."""
         return self.tensor._version != self.version
+
+
+Fields = tuple[int, int, tuple[int, ...], torch.Size, torch.dtype, torch.device, bool]
+
+
+def fields_of(tensor: Tensor) -> Fields:
+    """What :meth:`State.holds` compares of a tensor it kept by identity, in one tuple: its
+    version, address, strides, shape, dtype, device and ``requires_grad`` (a served access
+    builds the same tuple inline, see ``_scope._Served``)."""
+    return (
+        tensor._version,
+        tensor.data_ptr(),
+        tensor.stride(),
+        tensor.shape,
+        tensor.dtype,
+        tensor.device,
+        tensor.requires_grad,
+    )
+
+
+def _fields(state: State) -> Fields:
+    known = state.layout
+    return (
+        state.version,
+        state.address,
+        known[2],
+        known[1],
+        known[3],
+        known[4],
+        state.requires_grad,
+    )
+
+
+def taken_again(
+    checks: list[tuple[tuple[Any, str, State], ...]],
+) -> list[tuple[tuple[Any, str, State], ...]]:
+    """Each check of each layer with its tensor's state now, where its layout is known to be
+    the one recorded (a scope takes every original's state again, in one call)."""
+    result = []
+    for layer in checks:
+        now_layer = []
+        for owner, key, state in layer:
+            tensor = state.tensor
+            address = tensor.data_ptr()
+            if address != state.address:
+                now = State(tensor, state.layout)
+            else:
+                # The same address is the same memory (the storage kept alive holds it): the
+                # storage object is taken over rather than asked of the tensor again, the
+                # costly read.
+                now = State.__new__(State)
+                now.tensor = tensor
+                now.version = tensor._version
+                now.address = address
+                now.storage = state.storage
+                now.layout = known = state.layout
+                now.requires_grad = tensor.requires_grad
+                now.fields = (
+                    now.version,
+                    address,
+                    known[2],
+                    known[1],
+                    known[3],
+                    known[4],
+                    now.requires_grad,
+                )
+            now_layer.append((owner, key, now))
+        result.append(tuple(now_layer))
+    return result
 
 
 def state(tensor: Tensor) -> State:

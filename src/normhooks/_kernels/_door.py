@@ -21,7 +21,7 @@ from torch import Tensor, nn
 
 from normhooks import _kernels, _torch_compat
 from normhooks._kernels import _cpu, _fallback
-from normhooks._kernels._cache import KeyedCache, State, layout
+from normhooks._kernels._cache import KeyedCache, State
 
 # Where a fused launch finds one of a layer's tensors: the dict that holds it now (a module's
 # ``_parameters`` or ``_buffers``) and its key.
@@ -110,7 +110,8 @@ class Door(abc.ABC):
             return unkept
         key: tuple[object, ...] = (type(parametrization), self.settings(parametrization))
         for tensor in tensors:
-            key += layout(tensor)
+            # layout(tensor), inline: this runs at every access of a layer's weight.
+            key += (type(tensor), tensor.shape, tensor.stride(), tensor.dtype, tensor.device)
         route = _ROUTES.get(key)
         if route is None:
             route = _ROUTES.put(key, self.resolve(parametrization, tensors))

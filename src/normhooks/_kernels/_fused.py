@@ -254,13 +254,32 @@ class _Fused(torch.autograd.Function):
         buffers = ctx.saved_tensors
         tensors = ctx.inputs
         plan: FusedPlan[Any] = ctx.plan
-        # The inputs of the layers whose weights got a gradient.
-        used = [
-            i for layer, g in enumerate(grads) if g is not None for i in (2 * layer, 2 * layer + 1)
-        ]
-        check_unmodified([(tensors[i], ctx.versions[i]) for i in used])
+        # One pass over the inputs: where each is now (its address, 0 for None), and, of the
+        # layers whose weights got a gradient, each input unmodified since the forward (the
+        # first that is not raises, as check_unmodified of all of them would) and whether any
+        # changed layout (``_cache.layout``, inline).
+        versions, layouts = ctx.versions, plan.layouts
+        relaid = False
+        now = [0] * len(tensors)
+        for layer, g in enumerate(grads):
+            for i in (2 * layer, 2 * layer + 1):
+                tensor = tensors[i]
+                if tensor is None:
+                    continue
+                now[i] = tensor.data_ptr()
+                if g is None:
+                    continue
+                if tensor._version != versions[i]:
+                    check_unmodified(((tensor, versions[i]),))  # raises autograd's error
+                if (
+                    type(tensor),
+                    tensor.shape,
+                    tensor.stride(),
+                    tensor.dtype,
+                    tensor.device,
+                ) != layouts[i]:
+                    relaid = True
         result: list[Tensor | None] = [None]
-        relaid = any(tensors[i] is not None and layout(tensors[i]) != plan.layouts[i] for i in used)
         if torch.is_grad_enabled() or relaid:
             # create_graph: through the plain formula, layer by layer; the same where an input
             # changed layout since the forward (same values, other strides), which the layers'
@@ -270,7 +289,7 @@ class _Fused(torch.autograd.Function):
                 pair = tensors[2 * layer : 2 * layer + 2]
                 result += grads_of(plan.plans[layer], pair, grad)
             return tuple(result)
-        if _addresses(tensors) != plan.addresses:
+        if tuple(now) != plan.addresses:
             # An input kept its identity and layout but got new memory since the forward
             # (FSDP1 frees and regathers parameters, ZeRO-3 swaps their .data): the table the
             # forward launched with points at the old memory. The plan of where they are now.

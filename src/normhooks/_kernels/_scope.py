@@ -72,7 +72,7 @@ from torch import Tensor, nn
 
 from normhooks import _kernels, _parametrize, _torch_compat
 from normhooks._kernels import _fallback
-from normhooks._kernels._cache import layout
+from normhooks._kernels._cache import taken_again
 from normhooks._kernels._door import Check as _Check
 from normhooks._kernels._door import Door, Source, door_of
 
@@ -86,17 +86,6 @@ class _Level:
         self.frame = frame
         self.open = frame is not None
         self.served: list[tuple[nn.Module, _Served]] = []
-
-    def live(self) -> bool:
-        """Whether the forward it brackets still runs: a scope left open by a
-        KeyboardInterrupt (which ``always_call`` hooks do not run for) closes at its next
-        access, and never serves."""
-        if not self.open:
-            return False
-        if self.frame is not None and _on_stack(self.frame):
-            return True
-        self.close()
-        return False
 
     def close(self) -> None:
         self.open = False
@@ -154,37 +143,75 @@ class _Served:
         self.stream = stream
 
     def __call__(self) -> Tensor:
+        # Every check inline, in one function: this runs at every access of every served
+        # weight. Any failing check computes the weight as the layer would.
         weight = self.weight
         if (
-            weight is not None
-            and (self.inference or weight._version == self.version)
-            and weight.data_ptr() == self.address
-            and self._current()
-            and self.level.live()
+            weight is None
+            or (not self.inference and weight._version != self.version)
+            or weight.data_ptr() != self.address
         ):
-            return weight
-        result: Tensor = type(self.chain).forward(self.chain)
-        return result
-
-    def _current(self) -> bool:
-        """Whether the fused weight is the one the layer would compute here and now."""
+            return self._own()
+        # Each original: the same object in the same dict, with the fields its state recorded
+        # (``_cache.fields_of``, built inline).
         for owner, key, state in self.checks:
-            if not state.holds(owner.get(key)):
-                return False
+            tensor = owner.get(key)
+            if (
+                tensor is not state.tensor
+                or (
+                    tensor._version,
+                    tensor.data_ptr(),
+                    tensor.stride(),
+                    tensor.shape,
+                    tensor.dtype,
+                    tensor.device,
+                    tensor.requires_grad,
+                )
+                != state.fields
+            ):
+                return self._own()
         member = self.member
         if member is not None and member.door.settings(member.parametrization) != self.settings:
-            return False
+            return self._own()
         # Under saved-tensor hooks (non-reentrant checkpointing) the layer computes its
         # weight itself, as the recomputation in backward will, which must save what the
         # forward saved.
         if _torch_compat.saved_tensors_hooked():
-            return False
+            return self._own()
         # A CUDA weight was computed on one stream: another one would read it unsynchronized.
         stream = self.stream
         if stream is not None and _torch_compat.current_raw_stream(stream[0]) != stream[1]:
-            return False
+            return self._own()
         # Inference tensors cannot enter a graph: served only in inference mode.
-        return not self.inference or torch.is_inference_mode_enabled()
+        if self.inference and not torch.is_inference_mode_enabled():
+            return self._own()
+        # The forward it was computed for still runs: a scope left open by a
+        # KeyboardInterrupt (which ``always_call`` hooks do not run for) closes at its next
+        # access, and never serves.
+        level = self.level
+        if not level.open:
+            return self._own()
+        frame = level.frame
+        # First where its frame was found last time for this member: a frame the level holds
+        # is never freed, so finding that very object on this stack means its forward still
+        # runs (a confirmation only; anything else takes the whole walk).
+        if member is not None:
+            try:
+                if sys._getframe(member.depth) is frame:
+                    return weight
+            except ValueError:  # a shallower stack
+                pass
+        depth = -1 if frame is None else _depth(frame)
+        if depth < 0:
+            level.close()
+            return self._own()
+        if member is not None:
+            member.depth = depth
+        return weight
+
+    def _own(self) -> Tensor:
+        result: Tensor = type(self.chain).forward(self.chain)
+        return result
 
     def __reduce__(self) -> tuple[Callable[..., _Served], tuple[nn.Module]]:
         # A copy (deepcopy, pickle) of a model inside or after an interrupted scope gets one
@@ -199,7 +226,16 @@ def _closed(chain: nn.Module) -> _Served:
 class _Member:
     """A parametrized tensor of the model that a fused launch may compute."""
 
-    __slots__ = ("chain", "door", "holder", "module", "name", "parametrization", "stamp")
+    __slots__ = (
+        "chain",
+        "depth",
+        "door",
+        "holder",
+        "module",
+        "name",
+        "parametrization",
+        "stamp",
+    )
 
     def __init__(self, module: nn.Module, name: str) -> None:
         self.module = module
@@ -216,6 +252,9 @@ class _Member:
         self.door: Door = door
         # What its fused inputs were last found from (see _stamp).
         self.stamp: _Stamp | None = None
+        # How many frames above a served access of its weight its scope's frame was found
+        # last time (see _Served.__call__).
+        self.depth = 1
 
     def current(self) -> bool:
         """Whether the tensor still carries the one parametrization it had when found."""
@@ -226,51 +265,38 @@ class _Member:
         return modules.get("0") is self.parametrization and "1" not in modules
 
 
-# What a member's fused inputs depend on besides the tensors' values: its settings, and, for
-# each tensor a launch takes from it, where it lives (the dict: a gain as a Parameter or a
-# buffer), the tensor (kept: its identity) and what its route was keyed by, with whether it
-# requires grad. Metadata only (a write through ``.data`` changes a tensor's layout without a
-# new version); the values are the served weights' checks, read at each scope and access.
-_Stamp = tuple[
-    tuple[object, ...],
-    tuple[Source, ...] | None,
-    tuple[Tensor | None, ...],
-    tuple[tuple[object, ...] | None, ...],
-]
+# What a member's fused inputs depend on besides the tensors' values: its settings, where a
+# launch finds its tensors (None where it takes none), and, for each of them, where it lives
+# (the dict: a gain as a Parameter or a buffer), the tensor (kept: its identity) and its
+# metadata (:func:`_metadata`: what its route was keyed by, with whether it requires grad).
+# Metadata only (a write through ``.data`` changes a tensor's layout without a new version);
+# the values are the served weights' checks, read at each scope and access.
+_Found = tuple[dict[str, Any], str, Tensor | None, tuple[object, ...] | None]
+_Stamp = tuple[tuple[object, ...], tuple[Source, ...] | None, tuple[_Found, ...]]
 
 
 def _metadata(tensor: Tensor | None) -> tuple[object, ...] | None:
+    # Fusion._holds builds the same tuple inline.
     if tensor is None:
         return None
-    return (*layout(tensor), tensor.requires_grad)
+    return (
+        type(tensor),
+        tensor.shape,
+        tensor.stride(),
+        tensor.dtype,
+        tensor.device,
+        tensor.requires_grad,
+    )
 
 
 def _stamp(member: _Member) -> _Stamp:
     parametrization = member.parametrization
     sources = member.door.sources(parametrization, member.chain)
-    tensors = () if sources is None else tuple([owner.get(key) for owner, key in sources])
-    settings = member.door.settings(parametrization)
-    return settings, sources, tensors, tuple([_metadata(t) for t in tensors])
-
-
-def _unchanged(member: _Member) -> bool:
-    """Whether what ``member``'s fused inputs were found from holds: the same settings, and
-    the same tensors with the same metadata."""
-    stamp = member.stamp
-    if stamp is None:
-        return False
-    settings, sources, tensors, metas = stamp
-    parametrization = member.parametrization
-    if member.door.settings(parametrization) != settings:
-        return False
-    if sources is None:
-        return member.door.sources(parametrization, member.chain) is None
-    # A tensor that moved between dicts (a gain made a buffer) is no longer where it was
-    # found: the identity check below sees it.
-    for (owner, key), tensor, meta in zip(sources, tensors, metas, strict=True):
-        if owner.get(key) is not tensor or (tensor is not None and _metadata(tensor) != meta):
-            return False
-    return True
+    found: list[_Found] = []
+    for owner, key in () if sources is None else sources:
+        tensor = owner.get(key)
+        found.append((owner, key, tensor, _metadata(tensor)))
+    return member.door.settings(parametrization), sources, tuple(found)
 
 
 def _candidates(module: nn.Module) -> Iterator[str]:
@@ -309,15 +335,12 @@ class _Group:
         these."""
         # Their layouts are the ones found (the scope took these groups again because no
         # member's metadata changed).
-        self.checks = [
-            tuple([(owner, key, state.again()) for owner, key, state in checks])
-            for checks in self.checks
-        ]
+        self.checks = taken_again(self.checks)
 
 
 class _Layout:
     """The groups of a model's last scope, and whether a scope may take them again: while
-    every member is current and :func:`_unchanged`, under the same CPU routing."""
+    every member is current and unchanged (:meth:`Fusion._holds`), under the same CPU routing."""
 
     __slots__ = ("groups", "reusable", "routing")
 
@@ -420,16 +443,55 @@ class Fusion:
         return groups
 
     def _holds(self, layout: _Layout) -> bool:
+        """Whether every member is current (:meth:`_Member.current`), served by no other
+        open scope, and what its fused inputs were found from holds: the same settings, and
+        the same tensors in the same dicts with the same metadata (:func:`_metadata`). Inlined
+        here: this runs for every member at every scope."""
         if not layout.reusable:
             return False
         for member in self.members:
-            if not member.current():
+            holder, chain = member.holder, member.chain
+            if (
+                member.module._modules.get("parametrizations") is not holder
+                or holder._modules.get(member.name) is not chain
+            ):
                 return False
-            existing = member.chain.__dict__.get("forward")
+            modules = chain._modules
+            first = modules.get("0")
+            # (Never None: a member's parametrization has a door.)
+            if first is None or first is not member.parametrization or "1" in modules:
+                return False
+            existing = chain.__dict__.get("forward")
             if existing is not None and not self._replaceable(existing):
                 return False
-            if not _unchanged(member):
+            stamp = member.stamp
+            if stamp is None:
                 return False
+            settings, sources, found = stamp
+            if member.door.settings(member.parametrization) != settings:
+                return False
+            if sources is None:
+                if member.door.sources(member.parametrization, chain) is not None:
+                    return False
+                continue
+            # A tensor that moved between dicts (a gain made a buffer) is no longer where it
+            # was found: the identity check sees it.
+            for owner, key, tensor, meta in found:
+                if owner.get(key) is not tensor:
+                    return False
+                if (
+                    tensor is not None
+                    and (
+                        type(tensor),
+                        tensor.shape,
+                        tensor.stride(),
+                        tensor.dtype,
+                        tensor.device,
+                        tensor.requires_grad,
+                    )
+                    != meta
+                ):
+                    return False
         return True
 
     def _found(self) -> tuple[dict[_Key, _Group], bool]:
@@ -563,6 +625,20 @@ def _on_stack(target: FrameType) -> bool:
             return True
         frame = frame.f_back
     return False
+
+
+def _depth(target: FrameType) -> int:
+    """How many frames above its caller ``target`` runs (``sys._getframe(depth)`` there), or
+    -1 where it runs no more: a walk to it (a scope's frame is an ancestor of every access it
+    serves)."""
+    frame: FrameType | None = sys._getframe(1)
+    depth = 0
+    while frame is not None:
+        if frame is target:
+            return depth
+        frame = frame.f_back
+        depth += 1
+    return -1
 
 
 class _Open:
