@@ -262,7 +262,7 @@ def test_closed_form_gradients_match_autograd_of_the_formula(dim: int, eps: floa
     v.select(dim, 1).zero_()  # a zero row
     grad_w = torch.randn_like(v)
     results = []
-    for fn in (normalization._WeightNormFunction.apply, normalization._weight_norm):
+    for fn in (normalization._DOOR.closed_form.apply, normalization._weight_norm):
         g_, v_ = g.clone().requires_grad_(), v.clone().requires_grad_()
         fn(g_, v_, dim % 3, eps).backward(grad_w)
         results.append((g_.grad, v_.grad))
@@ -572,7 +572,7 @@ def test_fast_path_check_implies_eps_rounds_away(
     smallest: float, factors: list[float], eps: float, dtype: torch.dtype
 ) -> None:
     # The CPU fast path runs torch's fused op (no eps) only where this check passes.
-    from normhooks.weight_norm import _eps_vanishes
+    from normhooks._kernels._cpu import eps_vanishes as _eps_vanishes
 
     norms = torch.tensor([smallest] + [smallest * f for f in factors], dtype=dtype)
     smallest_stored = norms.min().item()
@@ -583,7 +583,7 @@ def test_fast_path_check_implies_eps_rounds_away(
 
 @pytest.mark.parametrize("value", [0.0, float("nan"), -1.0])
 def test_fast_path_check_refuses_zero_and_nan_norms(value: float) -> None:
-    from normhooks.weight_norm import _eps_vanishes
+    from normhooks._kernels._cpu import eps_vanishes as _eps_vanishes
 
     assert not _eps_vanishes(value, 0.0, torch.float32)
     assert not _eps_vanishes(value, 1e-12, torch.float64)

@@ -26,7 +26,6 @@ from torch import Tensor, nn
 
 from normhooks import _checks, _parametrize
 from normhooks._kernels import _door, _scope
-from normhooks._kernels._cpu import eps_vanishes as _eps_vanishes  # noqa: F401 (tests)
 from normhooks._parametrize import describe, layer_name
 from normhooks._parametrize import takeover as _torch_weight_norm
 from normhooks._precision import HALF_DTYPES
@@ -162,8 +161,6 @@ class WeightNorm(nn.Module):
 # and the checks are this file's, the rest is normhooks._kernels'.
 _DOOR = _door.WeightNormDoor(_weight_norm, WeightNorm._check)
 _door.register(WeightNorm, _DOOR)
-# The closed-form CPU gradient of the formula, by the name the tests compare it under.
-_WeightNormFunction = _DOOR.closed_form
 
 
 def _check_dim(dim: object) -> int | None:
