@@ -127,18 +127,6 @@ class State:
         # same object is checked by identity.
         return tensor is self.tensor and fields_of(tensor) == self.fields
 
-    def moved(self) -> bool:
-        """Whether the tensor got other memory (same layout), as FSDP1 and ZeRO-3 do."""
-        return self.tensor.data_ptr() != self.address
-
-    def relaid(self) -> bool:
-        """Whether the tensor's layout (shape, strides, dtype, device) changed."""
-        return layout(self.tensor) != self.layout
-
-    def modified(self) -> bool:
-        """Whether the tensor was written in place since (a new version)."""
-        return self.tensor._version != self.version
-
 
 Fields = tuple[int, int, tuple[int, ...], torch.Size, torch.dtype, torch.device, bool]
 
@@ -207,10 +195,6 @@ def taken_again(
             now_layer.append((owner, key, now))
         result.append(tuple(now_layer))
     return result
-
-
-def state(tensor: Tensor) -> State:
-    return State(tensor)
 
 
 def holds(states: tuple[State, ...], tensors: tuple[Tensor | None, ...]) -> bool:
