@@ -28,8 +28,6 @@ from torch import Tensor
 from normhooks import _checks
 from normhooks import _torch_compat as compat
 from normhooks._step_hook import (
-    _CPU_ROW,
-    _CPU_SHORT,
     Settings,
     StepHook,
     _Bound,
@@ -37,6 +35,8 @@ from normhooks._step_hook import (
     euclidean_norms,
     setting,
 )
+from normhooks._step_hook.copies import _Pieces
+from normhooks._step_hook.updates import in_cache_order
 
 __all__ = ["TrustRatio", "rescale_updates_", "trust_ratios"]
 
@@ -213,83 +213,36 @@ def _uncorrected_unit_(
     return ratios
 
 
-def _in_cache_order(bound: list[_Bound]) -> bool:
-    """Whether :func:`norms_and_reverts_` takes every unit's norms: local float32 CPU tensors
-    in eager code, the old values contiguous (float64 ones keep float64 norms, the rest the
-    base's order)."""
-    return all(
-        not b.unit.reduce
-        and b.sources[0].is_cpu
-        and b.sources[0].dtype == torch.float32
-        and all(old.is_contiguous() for old in b.sources)
-        and compat.plain_eager(*b.params, *b.sources)
-        for b in bound
-    )
-
-
 def norms_and_reverts_(olds: list[Tensor], params: list[Tensor]) -> tuple[Tensor, Tensor]:
     """``(||w_old||, ||w_old - w_new||)`` of float32 CPU tensors, the difference left in ``olds``.
 
     The norms of :func:`~normhooks._step_hook.euclidean_norms` (rows of ``_CPU_ROW`` values
     whose squares are added in float64 for tensors of more than ``_CPU_SHORT`` values, one
-    multi-tensor call for the rest), in another order: for each long tensor in turn, the old
-    values' norm, the difference and its norm, while the tensor is in cache, where taking
-    each for all tensors in turn reads every tensor from memory three times.
+    multi-tensor call for the rest), the difference's taken piece by piece while each piece
+    is in cache. The hook itself takes the old values' norms with their copy, before the step
+    (:meth:`~normhooks._step_hook.copies._Copies.hold_with_norms`).
 
     Example:
         >>> olds, news = [torch.tensor([3.0, 4.0])], [torch.tensor([3.0, 2.0])]
         >>> norms_and_reverts_(olds, news), olds
         ((tensor([5.]), tensor([2.])), [tensor([0., 2.])])
     """
-    count = len(olds)
-    w_norms, d_norms = [torch.empty(0)] * count, [torch.empty(0)] * count
-    short = [i for i, t in enumerate(olds) if t.numel() <= _CPU_SHORT]
-    if short:
-        shorts, news = [olds[i] for i in short], [params[i] for i in short]
-        before = compat.foreach_norm(shorts)
-        compat.foreach_sub_(shorts, news)
-        for i, w_norm, d_norm in zip(short, before, compat.foreach_norm(shorts), strict=True):
-            w_norms[i], d_norms[i] = w_norm, d_norm
-    long = [i for i, t in enumerate(olds) if t.numel() > _CPU_SHORT]
-    if long:
-        w_rows: list[Tensor] = []
-        d_rows: list[Tensor] = []
-        counts: list[int] = []
-        for i in long:
-            # The old values are a contiguous buffer, the new ones any layout: sub_ lines
-            # them up.
-            flat = olds[i].view(-1)
-            first = len(w_rows)
-            w_rows.extend(_rows(flat))
-            olds[i].sub_(params[i])
-            d_rows.extend(_rows(flat))
-            counts.append(sum(rows.numel() for rows in w_rows[first:]))
-        for i, w_norm, d_norm in zip(long, *_whole_norms(w_rows, d_rows, counts), strict=True):
-            w_norms[i], d_norms[i] = w_norm, d_norm
-    return torch.stack(w_norms), torch.stack(d_norms)
+    contiguous = [old if old.is_contiguous() else old.contiguous() for old in olds]
+    pieces = _Pieces(contiguous)
+    w_norm = pieces.norms_after_(contiguous, params, _keep, _keep_all)
+    d_norm = pieces.norms_after_(contiguous, params, Tensor.sub_, compat.foreach_sub_)
+    for old, kept in zip(olds, contiguous, strict=True):
+        if kept is not old:
+            old.copy_(kept)
+    return w_norm, d_norm
 
 
-def _rows(flat: Tensor) -> list[Tensor]:
-    """Float32 norms of ``flat``'s rows of ``_CPU_ROW`` values, then of its tail if any."""
-    whole = flat.numel() // _CPU_ROW * _CPU_ROW
-    rows = [torch.linalg.vector_norm(flat[:whole].view(-1, _CPU_ROW), dim=1)]
-    if whole < flat.numel():
-        rows.append(torch.linalg.vector_norm(flat[whole:]).reshape(1))
-    return rows
+def _keep(old: Tensor, new: Tensor) -> None:
+    """The op that leaves the old values as they are (their norms alone)."""
 
 
-def _whole_norms(
-    w_rows: list[Tensor], d_rows: list[Tensor], counts: list[int]
-) -> tuple[list[Tensor], list[Tensor]]:
-    """Each tensor's norm from its rows' norms (``counts[i]`` of them), whose squares are
-    summed in float64: one ``index_add_`` for the old values and the differences."""
-    squares = torch.cat(w_rows + d_rows).double().square()
-    owner = torch.repeat_interleave(
-        torch.arange(2 * len(counts)), torch.tensor(counts * 2), output_size=squares.numel()
-    )
-    sums = torch.zeros(2 * len(counts), dtype=torch.float64).index_add_(0, owner, squares)
-    norms = sums.sqrt().float()
-    return list(norms[: len(counts)].unbind(0)), list(norms[len(counts) :].unbind(0))
+def _keep_all(olds: list[Tensor], news: list[Tensor]) -> None:
+    """:func:`_keep` on lists."""
 
 
 class TrustRatio(StepHook, TrustRatioSettings):
@@ -408,6 +361,7 @@ class TrustRatio(StepHook, TrustRatioSettings):
     prefix = "trust"
     technique = "TrustRatio"
     rewrites = "updates"
+    old_norms_in_copy = True
     _unit_ = staticmethod(trust_ratio_unit_)
 
     def __init__(
@@ -452,20 +406,33 @@ class TrustRatio(StepHook, TrustRatioSettings):
         try:
             pending = self._pending.get(optimizer)
             flat = [] if pending is None else [b for group in pending.bound for b in group]
-            if pending is not None and self._foreach is not False and _in_cache_order(flat):
+            if (
+                pending is not None
+                and pending.old_norms
+                and all(norms is not None for norms in pending.old_norms)
+                and all(in_cache_order(b, b.sources) for b in flat)
+            ):
                 del self._pending[optimizer]
                 self._finish_in_cache_order(pending, flat)
             else:
+                # The base takes the old values' norms again from the copies: the norms the
+                # pre-step took are used only where every unit kept the CPU order.
                 super()._after_step(optimizer, args, kwargs)
         finally:
             if token is not None:
                 _STEPPING.reset(token)
 
     def _finish_in_cache_order(self, pending: _UpdateInFlight, flat: list[_Bound]) -> None:
-        """The base's post-step, with every unit's norms from :func:`norms_and_reverts_`."""
+        """The base's post-step on the CPU: the old values' norms from the pre-step, the
+        difference and its norm piece by piece while each piece is in cache."""
         with torch.no_grad():
-            for b in flat:
-                b.norms = norms_and_reverts_(b.sources, b.params)
+            for b, w_norm in zip(flat, pending.old_norms, strict=True):
+                # Both set for every unit where _after_step takes this order.
+                assert w_norm is not None
+                assert b.unit.copies is not None
+                pieces = b.unit.copies.pieces()
+                d_norm = pieces.norms_after_(b.sources, b.params, Tensor.sub_, compat.foreach_sub_)
+                b.norms = (w_norm, d_norm)
             self._rescale_updates(pending)
 
     def _check_group(self, group: Mapping[str, Any], settings: TrustRatioSettings) -> str | None:

@@ -2,10 +2,18 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import Tensor
 
 from normhooks import _torch_compat as compat
+from normhooks._step_hook.norms import _CPU_ROW, _CPU_SHORT
+
+# Values per piece of the CPU order (a multiple of _CPU_ROW): a piece of the old values and
+# one of the new stay in a core's L2 cache between the op that reads them from memory and
+# the norm that reads them again.
+_PIECE = 64 * _CPU_ROW
 
 
 class _Copies:
@@ -31,6 +39,11 @@ class _Copies:
             view.view(t.shape)
             for view, t in zip(torch.split(self._flat, numels), tensors, strict=True)
         ]
+        self._pieces: _Pieces | None = None
+
+    @property
+    def views(self) -> list[Tensor]:
+        return self._views
 
     def fits(self, tensors: list[Tensor]) -> bool:
         return _shapes(tensors) == self._shapes
@@ -43,9 +56,24 @@ class _Copies:
         _copy_(self._views, tensors, foreach)
         return self._views
 
+    def hold_with_norms(self, tensors: list[Tensor]) -> tuple[list[Tensor], Tensor]:
+        """Copies float32 CPU ``tensors`` in, each piece's norm taken while it is in cache;
+        returns the views holding them and their norms (see :class:`_Pieces`)."""
+        storage = self._flat.untyped_storage()
+        if storage.nbytes() != self._bytes:
+            storage.resize_(self._bytes)
+        norms = self.pieces().norms_after_(self._views, tensors, Tensor.copy_, compat.foreach_copy_)
+        return self._views, norms
+
     def release(self) -> None:
         if not self._keep:
             self._flat.untyped_storage().resize_(0)
+
+    def pieces(self) -> _Pieces:
+        """The CPU order's plan of these views (made at the first call, kept with them)."""
+        if self._pieces is None:
+            self._pieces = _Pieces(self._views)
+        return self._pieces
 
 
 def _shapes(tensors: list[Tensor]) -> tuple[object, ...]:
@@ -64,3 +92,102 @@ def _copy_(targets: list[Tensor], sources: list[Tensor], foreach: bool | None) -
             target.copy_(source)
     else:
         compat.foreach_copy_(targets, sources)
+
+
+_PairOp = Callable[[Tensor, Tensor], object]
+_ListOp = Callable[[list[Tensor], list[Tensor]], None]
+
+
+class _Pieces:
+    """Float32 CPU tensors cut into pieces of at most ``_PIECE`` values, for ops that take
+    each piece's norm while it is in cache.
+
+    Tensors of at most ``_CPU_SHORT`` values are taken together, in runs of at most ``_PIECE``
+    values, by multi-tensor ops; longer ones piece by piece, their norms from float32 norms of
+    rows of ``_CPU_ROW`` values whose squares are summed in float64: the rows, order and sums
+    of :func:`~normhooks._step_hook.euclidean_norms`, so the norms are the same numbers. The
+    plan depends only on the tensors' sizes; :meth:`norms_after_` takes the tensors at each
+    call.
+    """
+
+    def __init__(self, tensors: list[Tensor]) -> None:
+        numels = [t.numel() for t in tensors]
+        self.count = len(numels)
+        short = [i for i, n in enumerate(numels) if n <= _CPU_SHORT]
+        self._runs: list[list[int]] = []
+        total = 0
+        for i in short:
+            if not self._runs or total + numels[i] > _PIECE:
+                self._runs.append([])
+                total = 0
+            self._runs[-1].append(i)
+            total += numels[i]
+        self._short = torch.tensor(short, dtype=torch.long)
+        long = [i for i, n in enumerate(numels) if n > _CPU_SHORT]
+        self._long = torch.tensor(long, dtype=torch.long)
+        # For each long tensor: (start, end, first row, whole rows) of each piece.
+        self._chunks: list[tuple[int, list[tuple[int, int, int, int]]]] = []
+        row = 0
+        counts = []
+        for i in long:
+            chunks = []
+            for start in range(0, numels[i], _PIECE):
+                end = min(numels[i], start + _PIECE)
+                whole = (end - start) // _CPU_ROW
+                chunks.append((start, end, row, whole))
+                row += -(-(end - start) // _CPU_ROW)
+            self._chunks.append((i, chunks))
+            counts.append(-(-numels[i] // _CPU_ROW))
+        self._rows = torch.empty(row, dtype=torch.float32)
+        self._owner = torch.repeat_interleave(
+            torch.arange(len(long)), torch.tensor(counts, dtype=torch.long), output_size=row
+        )
+        # Kept for the factors of a rescaling: views made once, not unbound at each step.
+        self.factors = torch.empty(self.count, dtype=torch.float32)
+        self.factor_views = list(self.factors.unbind(0))
+
+    def norms_after_(
+        self, olds: list[Tensor], others: list[Tensor], op: _PairOp, many: _ListOp
+    ) -> Tensor:
+        """``op(olds[i], others[i])`` in place (``many`` on runs of short tensors), then the
+        norms of the results, each piece's while in cache: one float32 norm per tensor.
+
+        ``olds`` are views of one contiguous buffer; ``others`` may have any layout (a
+        non-contiguous one takes ``op`` on its whole tensor, then the pieces' norms).
+        """
+        norms = torch.empty(self.count, dtype=torch.float32)
+        if self._runs:
+            found: list[Tensor] = []
+            for run in self._runs:
+                targets = [olds[i] for i in run]
+                many(targets, [others[i] for i in run])
+                found.extend(compat.foreach_norm(targets))
+            norms[self._short] = torch.stack(found)
+        if self._chunks:
+            rows = self._rows
+            vector_norm = torch.linalg.vector_norm
+            for i, chunks in self._chunks:
+                flat, other = olds[i].view(-1), others[i]
+                pieces = other.is_contiguous()
+                if pieces:
+                    other = other.view(-1)
+                else:
+                    op(olds[i], other)
+                for start, end, row, whole in chunks:
+                    piece = flat[start:end]
+                    if pieces:
+                        op(piece, other[start:end])
+                    cut = whole * _CPU_ROW
+                    if whole:
+                        vector_norm(
+                            piece[:cut].view(whole, _CPU_ROW), dim=1, out=rows[row : row + whole]
+                        )
+                    if cut < end - start:
+                        row += whole
+                        vector_norm(piece[cut:], dim=0, keepdim=True, out=rows[row : row + 1])
+            squares = rows.double().square()
+            sums = torch.zeros(len(self._chunks), dtype=torch.float64).index_add_(
+                0, self._owner, squares
+            )
+            norms[self._long] = sums.sqrt().float()
+        return norms

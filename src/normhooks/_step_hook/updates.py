@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -27,15 +27,37 @@ from normhooks._step_hook.units import _Bound, _full_shapes, _in_order, sum_over
 @dataclass
 class _UpdateInFlight:
     """What an update hook's pre-step keeps for its post-step: each group's units at this
-    step (their ``sources`` the old values) and each group's settings and lr."""
+    step (their ``sources`` the old values), each group's settings and lr, and, for a hook
+    that takes them with the copy (``old_norms_in_copy``), the old values' norms of each
+    unit in the order of ``bound`` flattened (None for a unit that does not take the CPU
+    order)."""
 
     bound: Sequence[Sequence[_Bound]]
     jobs: list[tuple[Settings | None, Lr]]
     held: list[_Copies]
+    old_norms: list[Tensor | None] = field(default_factory=list)
+
+
+def in_cache_order(b: _Bound, olds: list[Tensor]) -> bool:
+    """Whether unit ``b``, whose old values are ``olds``, takes the CPU order of
+    :class:`~normhooks._step_hook.copies._Pieces`: local float32 CPU tensors in eager code,
+    the old values contiguous (float64 ones keep float64 norms, the rest the base's order)."""
+    first = b.params[0]
+    return (
+        not b.unit.reduce
+        and first.is_cpu
+        and first.dtype == torch.float32
+        and all(old.is_contiguous() for old in olds)
+        and compat.plain_eager(*b.params, *olds)
+    )
 
 
 class UpdateRun(HookCore):
     """An update hook's pre-step copies and post-step."""
+
+    # True: on the CPU (foreach not False) the pre-step takes the old values' norms with the
+    # copy, piece by piece while each is in cache, for the post-step to use.
+    old_norms_in_copy = False
 
     def __init__(self, *, foreach: bool | None = None, **settings: object) -> None:
         super().__init__(foreach=foreach, **settings)
@@ -52,20 +74,28 @@ class UpdateRun(HookCore):
         """An update hook's pre-step: the old value of every parameter that takes part, in its
         unit's buffer."""
         held = []
+        old_norms: list[Tensor | None] = []
         compiling = torch.compiler.is_compiling()
+        with_norms = self.old_norms_in_copy and self._foreach is not False
         for of_group in bound:
             for b in of_group:
                 if compiling:
                     # Nothing outlives a trace, and it cannot read a storage's size.
                     b.sources = _fresh_copies(b.params, self._foreach)
+                    old_norms.append(None)
                     continue
                 copies = b.unit.copies
                 if copies is None or not copies.fits(b.params):
                     copies = b.unit.copies = _Copies(b.params)
-                b.sources = copies.hold(b.params, self._foreach)
+                if with_norms and in_cache_order(b, copies.views):
+                    b.sources, norms = copies.hold_with_norms(b.params)
+                    old_norms.append(norms)
+                else:
+                    b.sources = copies.hold(b.params, self._foreach)
+                    old_norms.append(None)
                 held.append(copies)
         jobs = [(group_plan.settings, group_plan.group.get("lr")) for group_plan in plan]
-        self._pending[optimizer] = _UpdateInFlight(bound, jobs, held)
+        self._pending[optimizer] = _UpdateInFlight(bound, jobs, held, old_norms)
 
     def _after_step(
         self, optimizer: torch.optim.Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]
