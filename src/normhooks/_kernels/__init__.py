@@ -190,11 +190,11 @@ def lars_unit_(params: list[Tensor], grads: list[Tensor], **settings: Any) -> Te
     """:func:`normhooks._kernels.lars.lars_unit_`, or None where the kernel failed on this
     machine before writing a gradient (warned once; the kernels are off from then on): the
     caller then computes the plain formula."""
-    from normhooks._kernels import lars
+    from normhooks._kernels import _multi, lars
 
     try:
         return lars.lars_unit_(params, grads, **settings)
-    except lars.KernelFailedError as failure:
+    except _multi.KernelFailedError as failure:
         if isinstance(failure.error, torch.OutOfMemoryError):
             raise failure.error from None
         _fallback.failed("LARS", failure.error)
