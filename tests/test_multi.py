@@ -7,6 +7,8 @@ tensors the kernels cannot read as rows are copied.
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -113,3 +115,46 @@ def test_mismatched_lists_are_refused() -> None:
 def test_no_table_is_made_inside_a_capture() -> None:
     with pytest.raises(RuntimeError, match="first time inside a CUDA-graph capture"):
         _multi.table([[torch.randn(7)]], ("params",), _multi.WHOLE, 32, True, "LARS")
+
+
+@pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1", reason="runs LARS's kernels through the interpreter"
+)
+@pytest.mark.filterwarnings("ignore:normhooks' Triton kernel for LARS failed:RuntimeWarning")
+def test_a_failed_launch_leaves_no_table_for_the_kernels_turned_on_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A launch that stops part way can leave a row's count of arrived programs above zero; a
+    table found again after ``set_kernels_enabled(True)`` would then never complete that row."""
+    from kernel_cases import lars_reference, lars_table, run_lars
+    from normhooks import _kernels, lars_, set_kernels_enabled
+    from normhooks._kernels import _fallback
+    from normhooks._kernels import lars as lars_kernels
+
+    monkeypatch.setattr(lars_kernels, "_BLOCK", 16)
+    monkeypatch.setattr(lars_kernels, "_CHUNK", 64)
+    monkeypatch.setattr(lars_kernels, "_PARTIALS_BLOCK", 2)
+    params = [torch.randn(300, dtype=torch.float64), torch.randn(5, dtype=torch.float64)]
+    grads = [torch.randn_like(p) for p in params]
+    run_lars(params, [g.clone() for g in grads])
+    stale = lars_table(params, grads)
+    stale.arrivals[0] = 1  # what a launch stopped part way leaves
+    for p, g in zip(params, grads, strict=True):
+        p.grad = g.clone()
+    with monkeypatch.context() as patch:
+        patch.setattr(lars_kernels, "_SCALE", None)  # not callable: the second launch fails
+        with _kernels.route_cpu_tensors(), pytest.warns(RuntimeWarning, match="LARS failed"):
+            lars_(params)
+    try:
+        set_kernels_enabled(True)
+        for p, g in zip(params, grads, strict=True):
+            p.grad = g.clone()
+        with _kernels.route_cpu_tensors():
+            rates = lars_(params)
+        assert lars_table(params, grads) is not stale
+    finally:
+        _fallback.reset()
+    want_rates, want = lars_reference(params, grads)
+    torch.testing.assert_close(rates.double(), want_rates)
+    for p, expected in zip(params, want, strict=True):
+        torch.testing.assert_close(p.grad, expected)

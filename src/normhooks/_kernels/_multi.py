@@ -17,7 +17,8 @@ same chunks then writes each value with its row's result.
 A table's content is a function of its key (device, dtype, chunk size, how rows are cut, the
 tensors' shapes and addresses), so a table found in the cache is never stale: a tensor that
 moves or changes shape makes a new key. That is the whole validity rule of what this module
-keeps. Tensors whose rows are not laid out as the kernels read them go through contiguous copies
+keeps, with one exception: a launch that fails drops every table (:func:`launch_failed`).
+Tensors whose rows are not laid out as the kernels read them go through contiguous copies
 (:func:`laid_out`), and their tables are made again at every call.
 """
 
@@ -55,6 +56,17 @@ class KernelFailedError(Exception):
     def __init__(self, error: Exception) -> None:
         super().__init__(str(error))
         self.error = error
+
+
+def launch_failed(error: Exception) -> KernelFailedError:
+    """The error a multi-tensor kernel raises when its compile or launch failed with ``error``.
+
+    Every table made so far is dropped: a launch that stopped part way may have left a row's
+    count of arrived programs above zero, and a later launch (once the kernels are turned on
+    again) must not find it. Tables a CUDA graph captured stay: the graph replays them.
+    """
+    _tables.clear()
+    return KernelFailedError(error)
 
 
 def row_count(shape: torch.Size, rows: str) -> int:

@@ -36,7 +36,7 @@ from normhooks._kernels._common import (
 )
 from normhooks._kernels._common import tl_dtype as _tl_dtype
 from normhooks._kernels._launch import Kernel
-from normhooks._kernels._multi import KernelFailedError, chunk_at, row_sums, tensor_at
+from normhooks._kernels._multi import chunk_at, row_sums, tensor_at
 from normhooks._precision import compute_dtype
 
 # Values per program: a chunk is _CHUNK values of one tensor, read _BLOCK at a time.
@@ -402,7 +402,7 @@ def lars_unit_(
         except Exception as error:
             # A kernel that cannot compile or launch here fails before it writes: the caller
             # computes the plain formula (normhooks._kernels.lars_unit_).
-            raise KernelFailedError(error) from error
+            raise _multi.launch_failed(error) from error
     for grad, copy in copied:
         grad.copy_(copy)
     return rates
