@@ -15,8 +15,8 @@ no float atomics, and each partial sum is read once (:func:`row_sums`). A second
 same chunks then writes each value with its row's result.
 
 A table's content is a function of its key (device, dtype, chunk size, how rows are cut, the
-tensors' shapes and addresses), so a table found in the cache is never stale: a tensor that
-moves or changes shape makes a new key. That is the whole validity rule of what this module
+tensors' sizes or, for rows along dim 0, shapes, and their addresses), so a table found in the
+cache is never stale: a tensor that moves or changes size makes a new key. That is the whole validity rule of what this module
 keeps, with one exception: a launch that fails drops every table (:func:`launch_failed`).
 Tensors whose rows are not laid out as the kernels read them go through contiguous copies
 (:func:`laid_out`), and their tables are made again at every call.
@@ -181,12 +181,15 @@ def table(
     """
     first = lists[0]
     device = first[0].device
+    # Whole rows depend on the sizes alone (a view of the same memory is the same row); rows
+    # along dim 0 on the shapes.
+    sizes = tuple(map(Tensor.numel if rows == WHOLE else _shape, first))
     key = (
         device,
         first[0].dtype,
         chunk,
         rows,
-        tuple(map(_shape, first)),
+        sizes,
         *[tuple(map(Tensor.data_ptr, tensors)) for tensors in lists],
     )
     found = _tables.get(key)
