@@ -16,8 +16,9 @@ same chunks then writes each value with its row's result.
 
 A table's content is a function of its key (device, dtype, chunk size, how rows are cut, the
 tensors' sizes or, for rows along dim 0, shapes, and their addresses), so a table found in the
-cache is never stale: a tensor that moves or changes size makes a new key. That is the whole validity rule of what this module
-keeps, with one exception: a launch that fails drops every table (:func:`launch_failed`).
+cache is never stale: a tensor that moves or changes size makes a new key. That is the whole
+validity rule of what this module keeps, with one exception: a launch that fails drops every
+table (:func:`launch_failed`).
 Tensors whose rows are not laid out as the kernels read them go through contiguous copies
 (:func:`laid_out`), and their tables are made again at every call.
 """
