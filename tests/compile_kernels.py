@@ -94,19 +94,16 @@ def sweep(names: tuple[str, ...]) -> Iterator[tuple[str, dict[str, bool]]]:
         yield dtype, setting
 
 
+# The multi-tensor table's parts (normhooks._kernels._multi.ChunkTable), as every
+# multi-tensor kernel takes them.
+CHUNK_TABLE = dict.fromkeys(
+    ("chunk_tensor", "chunk_row", "chunk_start", "chunk_stop", "row_first_chunk", "arrivals"),
+    "*i64",
+)
+
+
 def lars_kernels() -> None:
-    types = dict.fromkeys(
-        (
-            "w_ptrs",
-            "g_ptrs",
-            "numels",
-            "first_chunk",
-            "chunk_tensor",
-            "chunk_start",
-            "arrivals",
-        ),
-        "*i64",
-    )
+    types = {**CHUNK_TABLE, "w_ptrs": "*i64", "g_ptrs": "*i64"}
     types |= dict.fromkeys(("threshold", "weight_decay", "eps", "trust_coefficient", "lr"), "i64")
     rate_flags = (
         "has_decay",

@@ -18,7 +18,7 @@ from torch import Tensor
 
 pytest.importorskip("triton", reason="the fused kernels need Triton")
 
-from normhooks._kernels import _common
+from normhooks._kernels import _common, _multi
 from normhooks._kernels import lars as lars_kernels
 from normhooks._kernels import weight_norm as wn_kernels
 from normhooks._kernels import weight_standardization as ws_kernels
@@ -146,6 +146,13 @@ def run_lars(params: list[Tensor], grads: list[Tensor], **settings: object) -> T
     return lars_kernels.lars_unit_(params, grads, **arguments)  # type: ignore[arg-type]
 
 
+def lars_table(params: list[Tensor], grads: list[Tensor]) -> _multi.ChunkTable:
+    """The table LARS's kernels launch with for ``params`` and ``grads`` (outside a capture)."""
+    return _multi.table(
+        [params, grads], ("params", "grads"), _multi.WHOLE, lars_kernels._CHUNK, False, "LARS"
+    )
+
+
 def assert_lars_result(
     rates: Tensor, grads: list[Tensor], expected_rates: Tensor, expected: list[Tensor]
 ) -> None:
@@ -200,10 +207,10 @@ class KernelCases:
         monkeypatch.setattr(lars_kernels, "_BLOCK", 16)
         monkeypatch.setattr(lars_kernels, "_CHUNK", 64)
         monkeypatch.setattr(lars_kernels, "_PARTIALS_BLOCK", 2)
-        monkeypatch.setattr(lars_kernels, "_kept", [])
-        lars_kernels._tables.clear()
+        monkeypatch.setattr(_multi, "_kept", [])
+        _multi._tables.clear()
         yield
-        lars_kernels._tables.clear()
+        _multi._tables.clear()
 
     @pytest.fixture
     def rows(
@@ -231,7 +238,7 @@ class KernelCases:
         what it refuses and keeps does not depend on it)."""
 
         def set_capturing(value: bool) -> None:
-            monkeypatch.setattr(lars_kernels, "_capturing", lambda device: value)
+            monkeypatch.setattr(_multi, "capturing", lambda device: value)
 
         return set_capturing
 
@@ -345,12 +352,12 @@ class KernelCases:
         params, grads = tensors(torch.float64, device), tensors(torch.float64, device)
         for _ in range(3):
             run_lars(params, grads)
-        assert len(lars_kernels._tables) == 1
+        assert len(_multi._tables) == 1
         params[2] = torch.randn(65, dtype=torch.float64, device=device)  # a new address
         grads = tensors(torch.float64, device)
         expected_rates, expected = lars_reference(params, grads)
         rates = run_lars(params, grads)
-        assert len(lars_kernels._tables) == 2
+        assert len(_multi._tables) == 2
         assert_lars_result(rates, grads, expected_rates, expected)
 
     @pytest.mark.usefixtures("small_chunks")
@@ -381,14 +388,14 @@ class KernelCases:
     def test_lars_drops_the_table_used_least_recently(
         self, device: str, monkeypatch: pytest.MonkeyPatch
     ) -> None:
-        monkeypatch.setattr(lars_kernels._tables, "size", 2)
+        monkeypatch.setattr(_multi._tables, "size", 2)
         sets = [tensors(torch.float64, device) for _ in range(3)]
-        first = lars_kernels._table(sets[0], sets[0], capturing=False)
-        lars_kernels._table(sets[1], sets[1], capturing=False)
-        assert lars_kernels._table(sets[0], sets[0], capturing=False) is first
+        first = lars_table(sets[0], sets[0])
+        lars_table(sets[1], sets[1])
+        assert lars_table(sets[0], sets[0]) is first
         # A third set while two are kept: the second, found longer ago than the first, goes.
-        third = lars_kernels._table(sets[2], sets[2], capturing=False)
-        assert [id(t) for t in lars_kernels._tables.values()] == [id(first), id(third)]
+        third = lars_table(sets[2], sets[2])
+        assert [id(t) for t in _multi._tables.values()] == [id(first), id(third)]
 
     @pytest.mark.parametrize(
         "layout",
@@ -434,7 +441,7 @@ class KernelCases:
             expected_rates, expected = lars_reference(params, grads, weight_decay=1e-2)
             rates = run_lars(params, grads, weight_decay=1e-2)
             assert_lars_result(rates, grads, expected_rates, expected)
-        (table,) = lars_kernels._tables.values()
+        (table,) = _multi._tables.values()
         # The last program of each tensor counted its chunks back to zero for the next call.
         assert torch.equal(table.arrivals.cpu(), torch.zeros(len(params), dtype=torch.int64))
 
@@ -447,7 +454,7 @@ class KernelCases:
         capturing(True)
         with pytest.raises(RuntimeError, match=r"before capturing.*set_to_none=False"):
             run_lars(params, grads)
-        assert not lars_kernels._tables
+        assert not _multi._tables
         assert all(torch.equal(g, b) for g, b in zip(grads, before, strict=True))
 
     @pytest.mark.usefixtures("small_chunks")
@@ -479,7 +486,7 @@ class KernelCases:
     ) -> None:
         params, grads = tensors(torch.float32, device), tensors(torch.float32, device)
         run_lars(params, grads)
-        (table,) = lars_kernels._tables.values()
+        (table,) = _multi._tables.values()
         settings = dict(settings)
         lr = 0.5 if settings.get("clip") else 0.1
         expected_rates, expected = lars_reference(params, grads, **settings | {"lr": lr})
@@ -490,10 +497,10 @@ class KernelCases:
         assert_lars_result(rates, grads, expected_rates, expected)
         # A graph replays its table's addresses: dropped from the cache, it stays alive.
         capturing(False)
-        monkeypatch.setattr(lars_kernels._tables, "size", 1)
+        monkeypatch.setattr(_multi._tables, "size", 1)
         run_lars(tensors(torch.float32, device), tensors(torch.float32, device))
-        assert table not in lars_kernels._tables.values()
-        assert any(kept is table for kept in lars_kernels._kept)
+        assert table not in _multi._tables.values()
+        assert any(kept is table for kept in _multi._kept)
 
     @pytest.mark.parametrize(
         ("params", "grads", "found_inf", "match"),

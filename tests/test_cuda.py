@@ -270,7 +270,7 @@ if importlib.util.find_spec("triton") is not None:
         ws_reference,
     )
     from kernel_cases import weight_norm as fused_weight_norm
-    from normhooks._kernels import lars as lars_kernels
+    from normhooks._kernels import _multi
     from normhooks._kernels import weight_norm as wn_kernels
     from normhooks._kernels.lars import lars_unit_
     from normhooks._kernels.weight_standardization import standardize_rows
@@ -336,7 +336,7 @@ if importlib.util.find_spec("triton") is not None:
         ) -> None:
             """A table built on one stream, last used on another, then dropped from the cache:
             its memory must not serve the first stream before the second is done with it."""
-            monkeypatch.setattr(lars_kernels, "_tables", type(lars_kernels._tables)(1))
+            monkeypatch.setattr(_multi, "_tables", type(_multi._tables)(1))
             settings: dict[str, Any] = {
                 "threshold": 1e-2,
                 "weight_decay": 1e-3,

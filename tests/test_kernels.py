@@ -20,9 +20,9 @@ import torch
 
 pytest.importorskip("triton", reason="the fused kernels need Triton")
 
-from kernel_cases import KernelCases, run_lars, ws_layout
+from kernel_cases import KernelCases, lars_table, run_lars, ws_layout
 from normhooks import _kernels
-from normhooks._kernels import _common
+from normhooks._kernels import _common, _multi
 from normhooks._kernels import lars as lars_kernels
 from normhooks._kernels import weight_norm as wn_kernels
 from normhooks._kernels._launch import Kernel
@@ -69,7 +69,7 @@ def test_lars_reads_each_partial_sum_once(monkeypatch: pytest.MonkeyPatch) -> No
     monkeypatch.setattr(lars_kernels, "_BLOCK", 16)
     monkeypatch.setattr(lars_kernels, "_CHUNK", 64)
     monkeypatch.setattr(lars_kernels, "_PARTIALS_BLOCK", 2)
-    monkeypatch.setattr(lars_kernels, "_tables", type(lars_kernels._tables)())
+    monkeypatch.setattr(_multi, "_tables", type(_multi._tables)())
     first_launch = Recording(lars_kernels._squares_and_rates)
     monkeypatch.setattr(lars_kernels, "_SQUARES_AND_RATES", Kernel(first_launch))
     read: list[np.ndarray] = []
@@ -208,7 +208,7 @@ def test_lars_table_cache_is_safe_across_threads(monkeypatch: pytest.MonkeyPatch
     """
     import threading
 
-    monkeypatch.setattr(lars_kernels, "_tables", type(lars_kernels._tables)(2))
+    monkeypatch.setattr(_multi, "_tables", type(_multi._tables)(2))
     errors: list[BaseException] = []
 
     def lookups(seed: int) -> None:
@@ -217,7 +217,7 @@ def test_lars_table_cache_is_safe_across_threads(monkeypatch: pytest.MonkeyPatch
         try:
             for i in range(200):
                 pair = [tensors[i % 4]], [tensors[4 + i % 4]]
-                lars_kernels._table(*pair, capturing=False)
+                lars_table(*pair)
         except BaseException as error:
             errors.append(error)
 

@@ -13,6 +13,9 @@ The layout (each file one concern; only the kernel modules import Triton):
 - ``_scope``: the fused scopes (one launch per forward for a model's weights);
 - ``_cache``: the one cache type (``KeyedCache``) and the one validity rule (``State``);
 - ``_fallback``: a kernel that fails here warns once and the plain formula takes over;
+- ``_multi``: the one multi-tensor machinery (a table of addresses per set of tensors, rows
+  cut into chunks, row sums by the last program to arrive) that the step hooks' kernels are
+  descriptions on;
 - the Triton kernels: ``weight_norm``, ``weight_standardization``, ``lars`` and what they
   share (``_common``, ``_fused``, ``_launch``).
 
@@ -190,11 +193,11 @@ def lars_unit_(params: list[Tensor], grads: list[Tensor], **settings: Any) -> Te
     """:func:`normhooks._kernels.lars.lars_unit_`, or None where the kernel failed on this
     machine before writing a gradient (warned once; the kernels are off from then on): the
     caller then computes the plain formula."""
-    from normhooks._kernels import lars
+    from normhooks._kernels import _multi, lars
 
     try:
         return lars.lars_unit_(params, grads, **settings)
-    except lars.KernelFailedError as failure:
+    except _multi.KernelFailedError as failure:
         if isinstance(failure.error, torch.OutOfMemoryError):
             raise failure.error from None
         _fallback.failed("LARS", failure.error)
