@@ -20,12 +20,12 @@ import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass
 from numbers import Real
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor
 
-from normhooks import _checks
+from normhooks import _checks, _kernels
 from normhooks import _torch_compat as compat
 from normhooks._step_hook import (
     Settings,
@@ -35,8 +35,9 @@ from normhooks._step_hook import (
     euclidean_norms,
     setting,
 )
-from normhooks._step_hook.copies import _Pieces
-from normhooks._step_hook.updates import in_cache_order
+from normhooks._step_hook.copies import _Copies, _Pieces
+from normhooks._step_hook.settings import Lr
+from normhooks._step_hook.updates import OldNorms, in_cache_order
 
 __all__ = ["TrustRatio", "rescale_updates_", "trust_ratios"]
 
@@ -361,7 +362,6 @@ class TrustRatio(StepHook, TrustRatioSettings):
     prefix = "trust"
     technique = "TrustRatio"
     rewrites = "updates"
-    old_norms_in_copy = True
     _unit_ = staticmethod(trust_ratio_unit_)
 
     def __init__(
@@ -404,36 +404,78 @@ class TrustRatio(StepHook, TrustRatioSettings):
     ) -> None:
         token = _STEPPING.set(optimizer) if optimizer in self._reads_state else None
         try:
-            pending = self._pending.get(optimizer)
-            flat = [] if pending is None else [b for group in pending.bound for b in group]
-            if (
-                pending is not None
-                and pending.old_norms
-                and all(norms is not None for norms in pending.old_norms)
-                and all(in_cache_order(b, b.sources) for b in flat)
-            ):
-                del self._pending[optimizer]
-                self._finish_in_cache_order(pending, flat)
-            else:
-                # The base takes the old values' norms again from the copies: the norms the
-                # pre-step took are used only where every unit kept the CPU order.
-                super()._after_step(optimizer, args, kwargs)
+            super()._after_step(optimizer, args, kwargs)
         finally:
             if token is not None:
                 _STEPPING.reset(token)
 
-    def _finish_in_cache_order(self, pending: _UpdateInFlight, flat: list[_Bound]) -> None:
-        """The base's post-step on the CPU: the old values' norms from the pre-step, the
-        difference and its norm piece by piece while each piece is in cache."""
-        with torch.no_grad():
-            for b, w_norm in zip(flat, pending.old_norms, strict=True):
-                # Both set for every unit where _after_step takes this order.
-                assert w_norm is not None
-                assert b.unit.copies is not None
-                pieces = b.unit.copies.pieces()
-                d_norm = pieces.norms_after_(b.sources, b.params, Tensor.sub_, compat.foreach_sub_)
-                b.norms = (w_norm, d_norm)
-            self._rescale_updates(pending)
+    def _copy_in(self, b: _Bound, copies: _Copies) -> tuple[list[Tensor], OldNorms | None]:
+        """The copy, with the old values' norms on the way where it can: one kernel launch
+        for a CUDA unit (sums of squares), each piece while in cache on the CPU."""
+        params = b.params
+        if (
+            not b.unit.reduce
+            and _kernels.available(params[0])
+            and compat.plain_eager(*params)
+            and all(map(Tensor.is_contiguous, params))
+        ):
+            squares = _kernels.trust_ratio_copy(params, copies.buffer())
+            if squares is not None:  # None: the kernel failed here (warned once)
+                return copies.views, OldNorms(True, squares)
+        if self._foreach is not False and in_cache_order(b, copies.views):
+            views, norms = copies.hold_with_norms(params)
+            return views, OldNorms(False, norms)
+        return super()._copy_in(b, copies)
+
+    def _finish_units(self, pending: _UpdateInFlight, flat: list[_Bound]) -> dict[int, Tensor]:
+        """The kernel's units whose group takes it (two launches each), and on the CPU every
+        unit's norms from its copy's, the difference's taken piece by piece in cache."""
+        done: dict[int, Tensor] = {}
+        index = 0
+        for (settings, lr), of_group in zip(pending.jobs, pending.bound, strict=True):
+            for b in of_group:
+                old = pending.old_norms[index] if pending.old_norms else None
+                if old is not None and old.kernel:
+                    ratios = self._kernel_rescale(b, settings, lr, old.values)
+                    if ratios is not None:
+                        done[index] = ratios
+                elif old is not None and in_cache_order(b, b.sources):
+                    assert b.unit.copies is not None  # it took the copy that gave ``old``
+                    pieces = b.unit.copies.pieces()
+                    d_norm = pieces.norms_after_(
+                        b.sources, b.params, Tensor.sub_, compat.foreach_sub_
+                    )
+                    b.norms = (old.values, d_norm)
+                index += 1
+        return done
+
+    @staticmethod
+    def _kernel_rescale(b: _Bound, settings: Any, lr: Lr, w_squares: Tensor) -> Tensor | None:
+        """The kernel's rescaling of unit ``b``, or None where its group or state does not
+        take it (the base's eager formula then reads the copy the kernel made)."""
+        tr = cast(TrustRatioSettings, settings)
+        params = b.params
+        if not (
+            tr.bias_correction
+            and lr is not None
+            and b.unit.copies is not None
+            and _kernels.available(params[0])
+            and compat.plain_eager(*params)
+            and all(map(Tensor.is_contiguous, params))
+        ):
+            return None
+        return _kernels.trust_ratio_rescale(
+            params,
+            b.unit.copies.buffer(),
+            w_squares,
+            lr=lr,
+            threshold=tr.threshold,
+            eps=tr.eps,
+            trust_coefficient=tr.trust_coefficient,
+            clip=tr.clip,
+            floor=tr.floor,
+            max_weight_norm=tr.max_weight_norm,
+        )
 
     def _check_group(self, group: Mapping[str, Any], settings: TrustRatioSettings) -> str | None:
         _check_bounds(settings, "trust_floor", "trust_clip")

@@ -204,6 +204,38 @@ def lars_unit_(params: list[Tensor], grads: list[Tensor], **settings: Any) -> Te
         return None
 
 
+def trust_ratio_copy(params: list[Tensor], flat: Tensor) -> Tensor | None:
+    """:func:`normhooks._kernels.trust_ratio.copy_and_squares`, or None where the kernel failed
+    on this machine (warned once; the kernels are off from then on): the caller then copies
+    the parameters itself."""
+    from normhooks._kernels import _multi, trust_ratio
+
+    try:
+        return trust_ratio.copy_and_squares(params, flat)
+    except _multi.KernelFailedError as failure:
+        if isinstance(failure.error, torch.OutOfMemoryError):
+            raise failure.error from None
+        _fallback.failed("TrustRatio", failure.error)
+        return None
+
+
+def trust_ratio_rescale(
+    params: list[Tensor], flat: Tensor, w_squares: Tensor, **settings: Any
+) -> Tensor | None:
+    """:func:`normhooks._kernels.trust_ratio.rescale_updates`, or None where a kernel failed on
+    this machine before writing a parameter (warned once; the kernels are off from then on):
+    the caller then computes the plain formula from the old values in ``flat``."""
+    from normhooks._kernels import _multi, trust_ratio
+
+    try:
+        return trust_ratio.rescale_updates(params, flat, w_squares, **settings)
+    except _multi.KernelFailedError as failure:
+        if isinstance(failure.error, torch.OutOfMemoryError):
+            raise failure.error from None
+        _fallback.failed("TrustRatio", failure.error)
+        return None
+
+
 @functools.cache
 def _weight_norm() -> ModuleType:
     # Imported at the first call (not with the package: that would import Triton), then

@@ -56,6 +56,14 @@ class _Copies:
         _copy_(self._views, tensors, foreach)
         return self._views
 
+    def buffer(self) -> Tensor:
+        """The flat buffer (its memory back if it was released), for a kernel to copy into
+        and read: the views hold each tensor's values one after the other, in order."""
+        storage = self._flat.untyped_storage()
+        if storage.nbytes() != self._bytes:
+            storage.resize_(self._bytes)
+        return self._flat
+
     def hold_with_norms(self, tensors: list[Tensor]) -> tuple[list[Tensor], Tensor]:
         """Copies float32 CPU ``tensors`` in, each piece's norm taken while it is in cache;
         returns the views holding them and their norms (see :class:`_Pieces`)."""

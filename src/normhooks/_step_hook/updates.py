@@ -10,7 +10,7 @@ from __future__ import annotations
 import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -24,18 +24,24 @@ from normhooks._step_hook.settings import Lr, Settings
 from normhooks._step_hook.units import _Bound, _full_shapes, _in_order, sum_over_shards
 
 
+class OldNorms(NamedTuple):
+    """What a pre-step took with a unit's copy for its post-step: on the CPU, the old values'
+    norms (``kernel`` False); from a kernel, each tensor's sum of squares, on its device."""
+
+    kernel: bool
+    values: Tensor
+
+
 @dataclass
 class _UpdateInFlight:
     """What an update hook's pre-step keeps for its post-step: each group's units at this
-    step (their ``sources`` the old values), each group's settings and lr, and, for a hook
-    that takes them with the copy (``old_norms_in_copy``), the old values' norms of each
-    unit in the order of ``bound`` flattened (None for a unit that does not take the CPU
-    order)."""
+    step (their ``sources`` the old values), each group's settings and lr, and what each
+    unit's copy gave (:meth:`UpdateRun._copy_in`), in the order of ``bound`` flattened."""
 
     bound: Sequence[Sequence[_Bound]]
     jobs: list[tuple[Settings | None, Lr]]
     held: list[_Copies]
-    old_norms: list[Tensor | None] = field(default_factory=list)
+    old_norms: list[OldNorms | None] = field(default_factory=list)
 
 
 def in_cache_order(b: _Bound, olds: list[Tensor]) -> bool:
@@ -55,10 +61,6 @@ def in_cache_order(b: _Bound, olds: list[Tensor]) -> bool:
 class UpdateRun(HookCore):
     """An update hook's pre-step copies and post-step."""
 
-    # True: on the CPU (foreach not False) the pre-step takes the old values' norms with the
-    # copy, piece by piece while each is in cache, for the post-step to use.
-    old_norms_in_copy = False
-
     def __init__(self, *, foreach: bool | None = None, **settings: object) -> None:
         super().__init__(foreach=foreach, **settings)
         self._pending: weakref.WeakKeyDictionary[torch.optim.Optimizer, _UpdateInFlight] = (
@@ -74,9 +76,8 @@ class UpdateRun(HookCore):
         """An update hook's pre-step: the old value of every parameter that takes part, in its
         unit's buffer."""
         held = []
-        old_norms: list[Tensor | None] = []
+        old_norms: list[OldNorms | None] = []
         compiling = torch.compiler.is_compiling()
-        with_norms = self.old_norms_in_copy and self._foreach is not False
         for of_group in bound:
             for b in of_group:
                 if compiling:
@@ -87,29 +88,39 @@ class UpdateRun(HookCore):
                 copies = b.unit.copies
                 if copies is None or not copies.fits(b.params):
                     copies = b.unit.copies = _Copies(b.params)
-                if with_norms and in_cache_order(b, copies.views):
-                    b.sources, norms = copies.hold_with_norms(b.params)
-                    old_norms.append(norms)
-                else:
-                    b.sources = copies.hold(b.params, self._foreach)
-                    old_norms.append(None)
+                b.sources, norms = self._copy_in(b, copies)
+                old_norms.append(norms)
                 held.append(copies)
         jobs = [(group_plan.settings, group_plan.group.get("lr")) for group_plan in plan]
         self._pending[optimizer] = _UpdateInFlight(bound, jobs, held, old_norms)
 
+    def _copy_in(self, b: _Bound, copies: _Copies) -> tuple[list[Tensor], OldNorms | None]:
+        """Unit ``b``'s parameters copied into ``copies``: the views holding them, and what
+        the copy gave for the post-step (nothing here; a hook may take norms on the way)."""
+        return copies.hold(b.params, self._foreach), None
+
+    def _finish_units(self, pending: _UpdateInFlight, flat: list[_Bound]) -> dict[int, Tensor]:
+        """Units ``flat[i]`` a hook finishes itself (their values by ``i``), or whose norms it
+        sets, before the base takes the rest: none here."""
+        return {}
+
     def _after_step(
         self, optimizer: torch.optim.Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> None:
-        """An update hook's post-step: every unit's norms (the old parameters', then the
-        revert's), one all-reduce for all the sharded units, then the technique."""
+        """An update hook's post-step: the units a hook finishes itself, then every other
+        unit's norms (the old parameters', then the revert's), one all-reduce for all the
+        sharded units, then the technique."""
         pending = self._pending.pop(optimizer, None)
         if pending is None:
             return
         flat = [b for of_group in pending.bound for b in of_group]
         foreach = self._foreach
         with torch.no_grad():
+            done = self._finish_units(pending, flat)
             squares = {}
             for i, b in enumerate(flat):
+                if i in done or b.norms is not None:
+                    continue
                 olds = b.sources
                 w_norm = euclidean_norms(olds, foreach)
                 if foreach is False:
@@ -123,20 +134,25 @@ class UpdateRun(HookCore):
             for i, total in sum_over_shards(flat, squares).items():
                 w_norm, d_norm = total.sqrt().chunk(2)
                 flat[i].norms = (w_norm, d_norm)
-            self._rescale_updates(pending)
+            self._rescale_updates(pending, done)
 
-    def _rescale_updates(self, pending: _UpdateInFlight) -> None:
-        """The technique on every unit whose norms are set, its values kept per group (as
-        ``last_*``), and the old values' copies released for the next step."""
+    def _rescale_updates(self, pending: _UpdateInFlight, done: Mapping[int, Tensor]) -> None:
+        """The technique on every unit not ``done`` (whose norms are set), the values of all
+        kept per group (as ``last_*``), and the old values' copies released for the next
+        step."""
         foreach = self._foreach
         results = []
+        index = 0
         for (settings, lr), of_group in zip(pending.jobs, pending.bound, strict=True):
             per_unit = []
             for b in of_group:
-                extra = {"shapes": _full_shapes(b)} if self.full_shapes else {}
-                values = type(self)._unit_(
-                    b.params, b.sources, settings, lr, norms=b.norms, foreach=foreach, **extra
-                )
+                values = done.get(index)
+                index += 1
+                if values is None:
+                    extra = {"shapes": _full_shapes(b)} if self.full_shapes else {}
+                    values = type(self)._unit_(
+                        b.params, b.sources, settings, lr, norms=b.norms, foreach=foreach, **extra
+                    )
                 if values is not None:
                     per_unit.append((b.positions, values))
             results.append(_in_order(per_unit) if per_unit else torch.empty(0))

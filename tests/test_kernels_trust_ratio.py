@@ -1,0 +1,283 @@
+"""TrustRatio's Triton kernels on Triton's interpreter, against the formula in float64.
+
+Without CUDA, conftest sets ``TRITON_INTERPRET=1`` and the kernels run on CPU tensors (shapes
+stay tiny, chunks of 64 values read 16 at a time, so tensors cross chunk boundaries and every
+loop runs more than once); the hook's dispatch is exercised through
+``_kernels.route_cpu_tensors()``.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+pytest.importorskip("triton", reason="the fused kernels need Triton")
+
+import normhooks
+from normhooks import _kernels
+from normhooks._kernels import _fallback, _multi
+from normhooks._kernels import trust_ratio as tr_kernels
+
+pytestmark = pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1",
+    reason="runs the kernels on CPU tensors through Triton's interpreter",
+)
+
+# Around the 64-value chunk: empty, one value, below, at, just over, several chunks.
+SHAPES = [(3, 4), (64,), (65,), (0,), (5, 13), (300,), (1,)]
+SETTINGS: dict[str, dict[str, Any]] = {
+    "defaults": {},
+    "eps-coefficient": {"eps": 1e-3, "trust_coefficient": 0.5},
+    "clip-floor": {"clip": 1.5, "floor": 0.9},
+    "max-weight-norm": {"max_weight_norm": 2.0},
+    "threshold": {"threshold": 5.0},
+    "infinite-threshold": {"threshold": math.inf},
+}
+
+
+@pytest.fixture(autouse=True)
+def small_chunks(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    monkeypatch.setattr(tr_kernels, "_BLOCK", 16)
+    monkeypatch.setattr(tr_kernels, "_CHUNK", 64)
+    monkeypatch.setattr(tr_kernels, "_PARTIALS_BLOCK", 2)
+    monkeypatch.setattr(_multi, "_kept", [])
+    _multi._tables.clear()
+    yield
+    _multi._tables.clear()
+
+
+def settings_of(**given: Any) -> dict[str, Any]:
+    base: dict[str, Any] = {
+        "threshold": 0.0,
+        "eps": 0.0,
+        "trust_coefficient": 1.0,
+        "clip": None,
+        "floor": None,
+        "max_weight_norm": None,
+    }
+    return base | given
+
+
+def reference(
+    olds: list[Tensor], news: list[Tensor], lr: float, s: dict[str, Any]
+) -> tuple[list[float], list[Tensor]]:
+    """The ratios and the rescaled parameters in float64, written out per tensor, from the
+    difference rounded to the parameters' dtype (as the kernel and the eager hook take it)."""
+    ratios, results = [], []
+    for old, new in zip(olds, news, strict=True):
+        d = (old - new).double()
+        w_norm = old.double().norm().item()
+        u_norm = d.norm().item() / lr if lr else (math.inf if d.norm() > 0 else math.nan)
+        phi = w_norm if s["max_weight_norm"] is None else min(w_norm, s["max_weight_norm"])
+        ratio = 1.0
+        if w_norm > s["threshold"] and u_norm > 0:
+            ratio = s["trust_coefficient"] * phi / (u_norm + s["eps"])
+            if s["floor"] is not None:
+                ratio = max(ratio, s["floor"])
+            if s["clip"] is not None:
+                ratio = min(ratio, s["clip"])
+        ratios.append(ratio)
+        results.append(new.double() + (1 - ratio) * d)
+    return ratios, results
+
+
+def step(
+    dtype: torch.dtype, shapes: list[tuple[int, ...]] = SHAPES
+) -> tuple[list[Tensor], list[Tensor], Tensor]:
+    """Parameters after a step of about 1e-2 of their size, their old values, a flat buffer."""
+    olds = [torch.randn(shape).to(dtype) for shape in shapes]
+    news = [(o.float() + 1e-2 * torch.randn(o.shape)).to(dtype) for o in olds]
+    flat = torch.empty(sum(o.numel() for o in olds), dtype=dtype)
+    return olds, news, flat
+
+
+def run(
+    olds: list[Tensor], news: list[Tensor], flat: Tensor, lr: float | Tensor, **given: Any
+) -> tuple[Tensor, Tensor, list[Tensor]]:
+    """The copy launch on the old values, then the two launches on the new ones."""
+    params = [o.clone() for o in olds]
+    squares = tr_kernels.copy_and_squares(params, flat)
+    for param, new in zip(params, news, strict=True):
+        param.copy_(new)
+    ratios = tr_kernels.rescale_updates(params, flat, squares, lr=lr, **settings_of(**given))
+    return squares, ratios, params
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["float32", "float64"])
+def test_copy_writes_the_old_values_and_their_squares(dtype: torch.dtype) -> None:
+    olds, _, flat = step(dtype)
+    squares = tr_kernels.copy_and_squares(olds, flat)
+    torch.testing.assert_close(flat, torch.cat([o.reshape(-1) for o in olds]), rtol=0, atol=0)
+    want = torch.tensor([o.double().square().sum().item() for o in olds], dtype=torch.float64)
+    torch.testing.assert_close(
+        squares.double(), want, rtol=1e-6 if dtype == torch.float32 else 1e-13, atol=0
+    )
+
+
+@pytest.mark.parametrize("name", list(SETTINGS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["float32", "float64"])
+def test_ratios_and_parameters_match_float64(name: str, dtype: torch.dtype) -> None:
+    olds, news, flat = step(dtype)
+    _, ratios, params = run(olds, news, flat, 1e-2, **SETTINGS[name])
+    want_ratios, want = reference(olds, news, 1e-2, settings_of(**SETTINGS[name]))
+    tight = dtype == torch.float64
+    torch.testing.assert_close(
+        ratios.double(),
+        torch.tensor(want_ratios, dtype=torch.float64),
+        rtol=1e-12 if tight else 2e-6,
+        atol=0,
+    )
+    for param, expected in zip(params, want, strict=True):
+        torch.testing.assert_close(param.double(), expected, rtol=0, atol=1e-14 if tight else 1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["float16", "bfloat16"])
+def test_half_dtypes_compute_in_float32_and_round_once(dtype: torch.dtype) -> None:
+    olds, news, flat = step(dtype)
+    _, ratios, params = run(olds, news, flat, 1e-2)
+    want_ratios, want = reference(olds, news, 1e-2, settings_of())
+    assert ratios.dtype == torch.float32
+    # The interpreter truncates float32 to bfloat16, where d is rounded: a few 1e-5.
+    rtol = 1e-4 if dtype == torch.bfloat16 else 1e-5
+    torch.testing.assert_close(
+        ratios.double(), torch.tensor(want_ratios, dtype=torch.float64), rtol=rtol, atol=0
+    )
+    for param, expected in zip(params, want, strict=True):
+        # One rounding to the dtype (the interpreter truncates float32 to bfloat16: one ulp).
+        torch.testing.assert_close(param, expected.to(dtype), rtol=2**-7, atol=2**-7)
+
+
+def test_ratio_one_leaves_the_new_values_bit_for_bit() -> None:
+    olds, news, flat = step(torch.float32)
+    _, ratios, params = run(olds, news, flat, 1e-2, threshold=math.inf)
+    assert ratios.tolist() == [1.0] * len(olds)
+    for param, new in zip(params, news, strict=True):
+        assert torch.equal(param, new)
+
+
+@pytest.mark.parametrize("case", ["zero-update", "zero-weight", "zero-lr"])
+def test_zero_norms_take_the_fallbacks(case: str) -> None:
+    olds, news, flat = step(torch.float32, [(70,)])
+    if case == "zero-update":
+        news = [o.clone() for o in olds]
+    if case == "zero-weight":
+        olds = [torch.zeros(70)]
+    lr = 0.0 if case == "zero-lr" else 1e-2
+    _, ratios, params = run(olds, news, flat, lr)
+    want_ratios, want = reference(olds, news, lr, settings_of())
+    assert ratios.tolist() == want_ratios
+    torch.testing.assert_close(params[0].double(), want[0], rtol=0, atol=1e-6)
+
+
+def test_tensor_lr_is_read_on_the_device() -> None:
+    olds, news, flat = step(torch.float32)
+    _, by_float, _ = run(olds, news, flat, 1e-2)
+    _, by_tensor, _ = run(olds, news, flat, torch.tensor(1e-2))
+    torch.testing.assert_close(by_tensor, by_float, rtol=0, atol=0)
+
+
+def test_non_finite_update_stays_non_finite() -> None:
+    olds, news, flat = step(torch.float32, [(70,)])
+    news[0][3] = math.nan
+    _, _, params = run(olds, news, flat, 1e-2)
+    assert torch.isnan(params[0]).any()
+
+
+def test_repeated_launches_find_the_table_with_its_counts_at_zero() -> None:
+    olds, news, flat = step(torch.float32)
+    first = run(olds, news, flat, 1e-2)
+    second = run(olds, news, flat, 1e-2)
+    for a, b in zip(first, second, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        ("transposed", "contiguous parameters"),
+        ("short-buffer", "must be contiguous with"),
+        ("dtype", "flat buffer is a"),
+    ],
+)
+def test_bad_layouts_refused(change: str, match: str) -> None:
+    params = [torch.randn(4, 3)]
+    flat = torch.empty(12)
+    if change == "transposed":
+        params = [torch.randn(3, 4).t()]
+    if change == "short-buffer":
+        flat = torch.empty(11)
+    if change == "dtype":
+        flat = torch.empty(12, dtype=torch.float64)
+    with pytest.raises(ValueError, match=match):
+        tr_kernels.copy_and_squares(params, flat)
+
+
+# --- the hook's dispatch -------------------------------------------------------------------
+
+
+def hooked_adamw(routed: bool, **hook: Any) -> tuple[list[nn.Parameter], normhooks.TrustRatio]:
+    torch.manual_seed(0)
+    params = [nn.Parameter(torch.randn(shape)) for shape in SHAPES]
+    for param in params:
+        param.grad = torch.randn_like(param)
+    optimizer = torch.optim.AdamW(params, lr=1e-2, weight_decay=1e-2)
+    trust = normhooks.TrustRatio(**hook)
+    trust.attach(optimizer)
+    for _ in range(2):
+        if routed:
+            with _kernels.route_cpu_tensors():
+                optimizer.step()
+        else:
+            optimizer.step()
+    return params, trust
+
+
+@pytest.mark.parametrize(
+    "hook",
+    [{}, {"eps": 1e-3, "clip": 2.0}, {"bias_correction": False, "max_weight_norm": 10.0}],
+    ids=["defaults", "eps-clip", "uncorrected"],
+)
+def test_hook_through_the_kernels_matches_the_eager_hook(hook: dict[str, Any]) -> None:
+    kernel_params, kernel_hook = hooked_adamw(True, **hook)
+    eager_params, eager_hook = hooked_adamw(False, **hook)
+    torch.testing.assert_close(kernel_hook.last_ratios, eager_hook.last_ratios, rtol=1e-6, atol=0)
+    for a, b in zip(kernel_params, eager_params, strict=True):
+        torch.testing.assert_close(a.detach(), b.detach(), rtol=1e-6, atol=1e-7)
+
+
+def test_hook_takes_three_launches_per_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    launched: list[str] = []
+    for name in ("_COPY_SQUARES", "_UPDATE_SQUARES_AND_RATIOS", "_RESCALE"):
+        kernel = getattr(tr_kernels, name)
+
+        def counted(*args: Any, _kernel: Any = kernel, _name: str = name) -> None:
+            launched.append(_name)
+            _kernel(*args)
+
+        monkeypatch.setattr(tr_kernels, name, counted)
+    hooked_adamw(True)
+    assert launched == ["_COPY_SQUARES", "_UPDATE_SQUARES_AND_RATIOS", "_RESCALE"] * 2
+
+
+def test_a_failing_kernel_warns_once_and_the_eager_hook_takes_over(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def broken(*args: Any) -> None:
+        raise RuntimeError("no such GPU")
+
+    monkeypatch.setattr(tr_kernels, "_UPDATE_SQUARES_AND_RATIOS", broken)
+    eager_params, eager_hook = hooked_adamw(False)
+    try:
+        with pytest.warns(RuntimeWarning, match="TrustRatio failed on this machine"):
+            kernel_params, kernel_hook = hooked_adamw(True)
+    finally:
+        _fallback.reset()
+    torch.testing.assert_close(kernel_hook.last_ratios, eager_hook.last_ratios, rtol=1e-6, atol=0)
+    for a, b in zip(kernel_params, eager_params, strict=True):
+        torch.testing.assert_close(a.detach(), b.detach(), rtol=1e-6, atol=1e-7)
