@@ -22,6 +22,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from normhooks._kernels import lars
+from normhooks._kernels import trust_ratio as tr
 from normhooks._kernels import weight_norm as wn
 from normhooks._kernels import weight_standardization as ws
 from normhooks._kernels._launch import Kernel
@@ -361,8 +362,29 @@ def fused_kernels() -> None:
             check_wide(compiled, f"{fn.__module__}.{fn.__name__} ({dtype})")
 
 
+def trust_ratio_kernels() -> None:
+    """TrustRatio's three kernels, every flag on and off, in every dtype."""
+    scalars = ("lr", "threshold", "eps", "trust_coefficient", "clip", "floor", "max_weight_norm")
+    ratio_flags = ("lr_is_tensor", "has_eps", "has_trust", "has_clip", "has_floor", "has_max")
+    sizes = {"block": 1024, "chunk_size": 32768}
+    for fn, names, extra in (
+        (tr._copy_squares, (), {"partials_block": 128}),
+        (tr._update_squares_and_ratios, ratio_flags, {"partials_block": 128}),
+        (tr._rescale, (), {}),
+    ):
+        for dtype, setting in sweep(names):
+            a = "*fp64" if dtype == "fp64" else "*fp32"
+            types = {**CHUNK_TABLE, "p_ptrs": "*i64", "offsets": "*i64", "olds": "*" + dtype}
+            types |= dict.fromkeys(scalars, "i64")
+            types |= dict.fromkeys(("partials", "squares", "w_squares", "ratios", "lr_tensor"), a)
+            constants = {"dtype": DTYPES[dtype], "acc": accumulator(dtype), **sizes, **extra}
+            kernel = build(fn, types, {**constants, **setting})
+            check_wide(kernel, f"trust_ratio.{fn.__name__} ({dtype})")
+
+
 def main() -> None:
     lars_kernels()
+    trust_ratio_kernels()
     lars_direct_launches()
     row_kernels()
     ones_kernels()

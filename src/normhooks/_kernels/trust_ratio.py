@@ -85,7 +85,8 @@ def _copy_squares(  # type: ignore[no-untyped-def]
         total += wide * wide
     last, sums, _ = row_sums(
         tl.sum(total, axis=0),
-        0.0,
+        # row_sums adds two sums: the second is unused here, a zero of the same type.
+        tl.full((), 0.0, dtype=acc),
         chunk,
         row,
         row_first_chunk,
@@ -208,7 +209,8 @@ def _update_squares_and_ratios(  # type: ignore[no-untyped-def]
         total += wide * wide
     last, d_squares, _ = row_sums(
         tl.sum(total, axis=0),
-        0.0,
+        # row_sums adds two sums: the second is unused here, a zero of the same type.
+        tl.full((), 0.0, dtype=acc),
         chunk,
         row,
         row_first_chunk,
