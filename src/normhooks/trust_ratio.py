@@ -133,15 +133,25 @@ def trust_ratio_unit_(
     *,
     norms: tuple[Tensor, Tensor] | None,
     foreach: bool | None,
+    factors: tuple[Tensor, list[Tensor]] | None = None,
 ) -> Tensor:
-    """The trust ratio on one unit's update, from ``norms = (||w_old||, ||w_old - w_new||)``."""
+    """The trust ratio on one unit's update, from ``norms = (||w_old||, ||w_old - w_new||)``.
+
+    ``factors``: a buffer of one value per parameter and its 0-dim views, made once per
+    layout, for the rescaling's ``1 - r`` (where unbinding them at each step would cost a
+    view per parameter).
+    """
     assert norms is not None  # the base computes them for every hook on the updates
     w_norm, d_norm = norms
     step = lr.to(d_norm) if isinstance(lr, Tensor) else lr
     if not settings.bias_correction:
         return _uncorrected_unit_(params, reverts, settings, step, norms, foreach)
     ratios = trust_ratios(w_norm, d_norm / step, settings)  # type: ignore[operator]
-    rescale_updates_(params, reverts, ratios, foreach)
+    if factors is not None and foreach is not False and factors[0].dtype == ratios.dtype:
+        factors[0].copy_(1 - ratios)
+        compat.foreach_addcmul_(params, reverts, factors[1])
+    else:
+        rescale_updates_(params, reverts, ratios, foreach)
     return ratios
 
 
@@ -298,10 +308,14 @@ class TrustRatio(StepHook, TrustRatioSettings):
 
     Cost: one copy of the parameters taking part, one flat buffer per device and dtype: kept
     between steps on the CPU (where freeing and allocating it again would fault every page
-    in at each step), given back to the caching allocator after each step elsewhere; the
-    copy, the norms and the rescaling are multi-tensor ops (``foreach``), except that on the
-    CPU each long float32 tensor's norms and difference are taken in turn, while it is in
-    cache (:func:`norms_and_reverts_`); nothing is read back to the host. The optimizer's
+    in at each step), given back to the caching allocator after each step elsewhere. On CUDA
+    with Triton, three kernel launches per step whatever the number of tensors: the copy with
+    the old weights' norms before the step, the update's norm with the ratio and the
+    rescaling after it (:mod:`normhooks._kernels.trust_ratio`; sharded units and
+    ``bias_correction=False`` groups take the multi-tensor ops). On the CPU, float32 tensors
+    are taken in pieces that stay in cache: the old weights' norm with the copy, the
+    difference's with the subtraction. Elsewhere the copy, the norms and the rescaling are
+    multi-tensor ops (``foreach``). Nothing is read back to the host. The optimizer's
     ``state_dict`` is untouched.
 
     Precision: the update is read as a difference of parameters after the optimizer has
@@ -429,7 +443,8 @@ class TrustRatio(StepHook, TrustRatioSettings):
 
     def _finish_units(self, pending: _UpdateInFlight, flat: list[_Bound]) -> dict[int, Tensor]:
         """The kernel's units whose group takes it (two launches each), and on the CPU every
-        unit's norms from its copy's, the difference's taken piece by piece in cache."""
+        unit with its norms from its copy's, the difference's taken piece by piece in cache,
+        and its factors' views kept with the pieces."""
         done: dict[int, Tensor] = {}
         index = 0
         for (settings, lr), of_group in zip(pending.jobs, pending.bound, strict=True):
@@ -446,6 +461,15 @@ class TrustRatio(StepHook, TrustRatioSettings):
                         b.sources, b.params, Tensor.sub_, compat.foreach_sub_
                     )
                     b.norms = (old.values, d_norm)
+                    done[index] = trust_ratio_unit_(
+                        b.params,
+                        b.sources,
+                        cast(TrustRatioSettings, settings),
+                        lr,
+                        norms=b.norms,
+                        foreach=self._foreach,
+                        factors=(pieces.factors, pieces.factor_views),
+                    )
                 index += 1
         return done
 
