@@ -133,25 +133,55 @@ def trust_ratio_unit_(
     *,
     norms: tuple[Tensor, Tensor] | None,
     foreach: bool | None,
-    factors: tuple[Tensor, list[Tensor]] | None = None,
 ) -> Tensor:
-    """The trust ratio on one unit's update, from ``norms = (||w_old||, ||w_old - w_new||)``.
-
-    ``factors``: a buffer of one value per parameter and its 0-dim views, made once per
-    layout, for the rescaling's ``1 - r`` (where unbinding them at each step would cost a
-    view per parameter).
-    """
+    """The trust ratio on one unit's update, from ``norms = (||w_old||, ||w_old - w_new||)``."""
     assert norms is not None  # the base computes them for every hook on the updates
     w_norm, d_norm = norms
     step = lr.to(d_norm) if isinstance(lr, Tensor) else lr
     if not settings.bias_correction:
         return _uncorrected_unit_(params, reverts, settings, step, norms, foreach)
     ratios = trust_ratios(w_norm, d_norm / step, settings)  # type: ignore[operator]
-    if factors is not None and foreach is not False and factors[0].dtype == ratios.dtype:
-        factors[0].copy_(1 - ratios)
-        compat.foreach_addcmul_(params, reverts, factors[1])
-    else:
-        rescale_updates_(params, reverts, ratios, foreach)
+    rescale_updates_(params, reverts, ratios, foreach)
+    return ratios
+
+
+def _rescale_in_cache_order_(
+    pieces: _Pieces,
+    olds: list[Tensor],
+    params: list[Tensor],
+    w_norm: Tensor,
+    settings: TrustRatioSettings,
+    lr: float | Tensor | None,
+) -> Tensor:
+    """:func:`trust_ratio_unit_` of float32 CPU tensors whose old values' norms ``w_norm`` the
+    copy took, each long tensor's difference, norm, ratio and rescaling in turn while it is
+    in cache (the short ones together, as :func:`trust_ratio_unit_` takes them), the
+    difference left in ``olds``. The same operations on the same numbers, in another order.
+    """
+    assert lr is not None  # _check_group refuses a group without a learning rate
+    ratios = torch.empty(pieces.count, dtype=torch.float32)
+    step = lr.to(torch.float32) if isinstance(lr, Tensor) else lr
+    if pieces.short:
+        d_norm = pieces.short_norms_after_(params, compat.foreach_sub_)
+        found = trust_ratios(w_norm[pieces.short_index], d_norm / step, settings)
+        # The factors' views are made once per layout: unbinding 1 - r at each step would
+        # cost a view per tensor.
+        pieces.factors.copy_(1 - found)
+        short = pieces.short
+        compat.foreach_addcmul_(
+            [params[i] for i in short], [olds[i] for i in short], pieces.factor_views
+        )
+        ratios[pieces.short_index] = found
+    if pieces.long:
+        vector_norm = torch.linalg.vector_norm
+        found_long = []
+        for i, rows in pieces.long_rows_after_(params, Tensor.sub_):
+            # The rows' squares added in float64, as euclidean_norms adds them.
+            d_norm = vector_norm(rows, dtype=torch.float64).float().reshape(1)
+            ratio = trust_ratios(w_norm[i : i + 1], d_norm / step, settings)
+            params[i].addcmul_(olds[i], 1 - ratio)
+            found_long.append(ratio)
+        ratios[pieces.long_index] = torch.cat(found_long)
     return ratios
 
 
@@ -240,8 +270,8 @@ def norms_and_reverts_(olds: list[Tensor], params: list[Tensor]) -> tuple[Tensor
     """
     contiguous = [old if old.is_contiguous() else old.contiguous() for old in olds]
     pieces = _Pieces(contiguous)
-    w_norm = pieces.norms_after_(contiguous, params, _keep, _keep_all)
-    d_norm = pieces.norms_after_(contiguous, params, Tensor.sub_, compat.foreach_sub_)
+    w_norm = pieces.norms_after_(params, _keep, _keep_all)
+    d_norm = pieces.norms_after_(params, Tensor.sub_, compat.foreach_sub_)
     for old, kept in zip(olds, contiguous, strict=True):
         if kept is not old:
             old.copy_(kept)
@@ -457,19 +487,14 @@ class TrustRatio(StepHook, TrustRatioSettings):
                 elif old is not None and in_cache_order(b, b.sources):
                     assert b.unit.copies is not None  # it took the copy that gave ``old``
                     pieces = b.unit.copies.pieces()
-                    d_norm = pieces.norms_after_(
-                        b.sources, b.params, Tensor.sub_, compat.foreach_sub_
-                    )
-                    b.norms = (old.values, d_norm)
-                    done[index] = trust_ratio_unit_(
-                        b.params,
-                        b.sources,
-                        cast(TrustRatioSettings, settings),
-                        lr,
-                        norms=b.norms,
-                        foreach=self._foreach,
-                        factors=(pieces.factors, pieces.factor_views),
-                    )
+                    tr = cast(TrustRatioSettings, settings)
+                    if tr.bias_correction:
+                        done[index] = _rescale_in_cache_order_(
+                            pieces, b.sources, b.params, old.values, tr, lr
+                        )
+                    else:
+                        d_norm = pieces.norms_after_(b.params, Tensor.sub_, compat.foreach_sub_)
+                        b.norms = (old.values, d_norm)
                 index += 1
         return done
 

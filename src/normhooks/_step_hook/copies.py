@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import Tensor
@@ -10,10 +10,10 @@ from torch import Tensor
 from normhooks import _torch_compat as compat
 from normhooks._step_hook.norms import _CPU_ROW, _CPU_SHORT
 
-# Values per piece of the CPU order (a multiple of _CPU_ROW): a piece of the old values and
-# one of the new stay in a core's L2 cache between the op that reads them from memory and
-# the norm that reads them again.
-_PIECE = 64 * _CPU_ROW
+# Values per piece of the CPU order (a multiple of _CPU_ROW): a piece stays in the last level
+# of cache between the op that reads it from memory and the norm that reads it again, and
+# pieces are few (each costs a handful of calls, at a few microseconds each).
+_PIECE = 1024 * _CPU_ROW
 
 
 class _Copies:
@@ -70,7 +70,7 @@ class _Copies:
         storage = self._flat.untyped_storage()
         if storage.nbytes() != self._bytes:
             storage.resize_(self._bytes)
-        norms = self.pieces().norms_after_(self._views, tensors, Tensor.copy_, compat.foreach_copy_)
+        norms = self.pieces().norms_after_(tensors, Tensor.copy_, compat.foreach_copy_)
         return self._views, norms
 
     def release(self) -> None:
@@ -107,95 +107,116 @@ _ListOp = Callable[[list[Tensor], list[Tensor]], None]
 
 
 class _Pieces:
-    """Float32 CPU tensors cut into pieces of at most ``_PIECE`` values, for ops that take
-    each piece's norm while it is in cache.
+    """Float32 CPU tensors ``olds`` (views of one contiguous buffer) cut into pieces of at
+    most ``_PIECE`` values, for ops that take each piece's norm while it is in cache.
 
     Tensors of at most ``_CPU_SHORT`` values are taken together, in runs of at most ``_PIECE``
     values, by multi-tensor ops; longer ones piece by piece, their norms from float32 norms of
     rows of ``_CPU_ROW`` values whose squares are summed in float64: the rows, order and sums
     of :func:`~normhooks._step_hook.euclidean_norms`, so the norms are the same numbers. The
-    plan depends only on the tensors' sizes; :meth:`norms_after_` takes the tensors at each
-    call.
+    views of ``olds`` each op and norm takes are made here, once: only the other tensors'
+    are taken at each call.
     """
 
-    def __init__(self, tensors: list[Tensor]) -> None:
-        numels = [t.numel() for t in tensors]
+    def __init__(self, olds: list[Tensor]) -> None:
+        numels = [t.numel() for t in olds]
+        self.olds = olds
         self.count = len(numels)
         short = [i for i, n in enumerate(numels) if n <= _CPU_SHORT]
-        self._runs: list[list[int]] = []
+        self._runs: list[tuple[list[int], list[Tensor]]] = []
         total = 0
         for i in short:
             if not self._runs or total + numels[i] > _PIECE:
-                self._runs.append([])
+                self._runs.append(([], []))
                 total = 0
-            self._runs[-1].append(i)
+            self._runs[-1][0].append(i)
+            self._runs[-1][1].append(olds[i])
             total += numels[i]
-        self._short = torch.tensor(short, dtype=torch.long)
+        self.short = short
+        self.short_index = torch.tensor(short, dtype=torch.long)
         long = [i for i, n in enumerate(numels) if n > _CPU_SHORT]
-        self._long = torch.tensor(long, dtype=torch.long)
-        # For each long tensor: (start, end, first row, whole rows) of each piece.
-        self._chunks: list[tuple[int, list[tuple[int, int, int, int]]]] = []
+        self.long = long
+        self.long_index = torch.tensor(long, dtype=torch.long)
+        rows = sum(-(-numels[i] // _CPU_ROW) for i in long)
+        self._rows = torch.empty(rows, dtype=torch.float32)
+        # For each long tensor: its index, its rows' norms, and for each piece (start, end,
+        # the piece, its whole rows and their norms' slots, its tail and the tail's slot).
+        self._chunks: list[tuple[int, Tensor, list[_Piece]]] = []
         row = 0
         counts = []
         for i in long:
+            flat = olds[i].view(-1)
+            first = row
             chunks = []
             for start in range(0, numels[i], _PIECE):
                 end = min(numels[i], start + _PIECE)
                 whole = (end - start) // _CPU_ROW
-                chunks.append((start, end, row, whole))
-                row += -(-(end - start) // _CPU_ROW)
-            self._chunks.append((i, chunks))
-            counts.append(-(-numels[i] // _CPU_ROW))
-        self._rows = torch.empty(row, dtype=torch.float32)
+                piece = flat[start:end]
+                cut = whole * _CPU_ROW
+                rows_view = piece[:cut].view(whole, _CPU_ROW) if whole else None
+                row_slots = self._rows[row : row + whole]
+                tail = piece[cut:] if cut < end - start else None
+                tail_slot = self._rows[row + whole : row + whole + 1]
+                chunks.append((start, end, piece, rows_view, row_slots, tail, tail_slot))
+                row += whole + (tail is not None)
+            self._chunks.append((i, self._rows[first:row], chunks))
+            counts.append(row - first)
         self._owner = torch.repeat_interleave(
-            torch.arange(len(long)), torch.tensor(counts, dtype=torch.long), output_size=row
+            torch.arange(len(long)), torch.tensor(counts, dtype=torch.long), output_size=rows
         )
         # Kept for the factors of a rescaling: views made once, not unbound at each step.
-        self.factors = torch.empty(self.count, dtype=torch.float32)
+        self.factors = torch.empty(len(short), dtype=torch.float32)
         self.factor_views = list(self.factors.unbind(0))
 
-    def norms_after_(
-        self, olds: list[Tensor], others: list[Tensor], op: _PairOp, many: _ListOp
-    ) -> Tensor:
+    def norms_after_(self, others: list[Tensor], op: _PairOp, many: _ListOp) -> Tensor:
         """``op(olds[i], others[i])`` in place (``many`` on runs of short tensors), then the
         norms of the results, each piece's while in cache: one float32 norm per tensor.
 
-        ``olds`` are views of one contiguous buffer; ``others`` may have any layout (a
-        non-contiguous one takes ``op`` on its whole tensor, then the pieces' norms).
+        ``others`` may have any layout (a non-contiguous one takes ``op`` on its whole
+        tensor, then the pieces' norms).
         """
         norms = torch.empty(self.count, dtype=torch.float32)
-        if self._runs:
-            found: list[Tensor] = []
-            for run in self._runs:
-                targets = [olds[i] for i in run]
-                many(targets, [others[i] for i in run])
-                found.extend(compat.foreach_norm(targets))
-            norms[self._short] = torch.stack(found)
-        if self._chunks:
-            rows = self._rows
-            vector_norm = torch.linalg.vector_norm
-            for i, chunks in self._chunks:
-                flat, other = olds[i].view(-1), others[i]
-                pieces = other.is_contiguous()
-                if pieces:
-                    other = other.view(-1)
-                else:
-                    op(olds[i], other)
-                for start, end, row, whole in chunks:
-                    piece = flat[start:end]
-                    if pieces:
-                        op(piece, other[start:end])
-                    cut = whole * _CPU_ROW
-                    if whole:
-                        vector_norm(
-                            piece[:cut].view(whole, _CPU_ROW), dim=1, out=rows[row : row + whole]
-                        )
-                    if cut < end - start:
-                        row += whole
-                        vector_norm(piece[cut:], dim=0, keepdim=True, out=rows[row : row + 1])
-            squares = rows.double().square()
-            sums = torch.zeros(len(self._chunks), dtype=torch.float64).index_add_(
+        if self.short:
+            norms[self.short_index] = self.short_norms_after_(others, many)
+        if self.long:
+            for _ in self.long_rows_after_(others, op):
+                pass
+            squares = self._rows.double().square()
+            sums = torch.zeros(len(self.long), dtype=torch.float64).index_add_(
                 0, self._owner, squares
             )
-            norms[self._long] = sums.sqrt().float()
+            norms[self.long_index] = sums.sqrt().float()
         return norms
+
+    def short_norms_after_(self, others: list[Tensor], many: _ListOp) -> Tensor:
+        """:meth:`norms_after_` of the short tensors alone (in the order of ``short``)."""
+        found: list[Tensor] = []
+        for run, targets in self._runs:
+            many(targets, [others[i] for i in run])
+            found.extend(compat.foreach_norm(targets))
+        return torch.stack(found)
+
+    def long_rows_after_(self, others: list[Tensor], op: _PairOp) -> Iterator[tuple[int, Tensor]]:
+        """:meth:`norms_after_` of the long tensors, one at a time: yields each one's index
+        and the float32 norms of its rows once they are written, while the tensor is still
+        in the last level of cache (the caller may work on it before the next is taken)."""
+        vector_norm = torch.linalg.vector_norm
+        olds = self.olds
+        for i, own, chunks in self._chunks:
+            other = others[i]
+            pieces = other.is_contiguous()
+            if pieces:
+                other = other.view(-1)
+            else:
+                op(olds[i], other)
+            for start, end, piece, rows_view, row_slots, tail, tail_slot in chunks:
+                if pieces:
+                    op(piece, other[start:end])
+                if rows_view is not None:
+                    vector_norm(rows_view, dim=1, out=row_slots)
+                if tail is not None:
+                    vector_norm(tail, dim=0, keepdim=True, out=tail_slot)
+            yield i, own
+
+
+_Piece = tuple[int, int, Tensor, Tensor | None, Tensor, Tensor | None, Tensor]
