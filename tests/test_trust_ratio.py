@@ -882,3 +882,34 @@ def test_the_cpu_order_gives_the_base_order_ratios() -> None:
     torch.testing.assert_close(ratios, base_ratios, rtol=1e-6, atol=0)
     for param, base in zip(params, base_params, strict=True):
         torch.testing.assert_close(param, base, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "transposed"])
+@pytest.mark.parametrize("bias_correction", [True, False], ids=["corrected", "uncorrected"])
+def test_the_cpu_order_over_several_pieces_gives_the_base_order_ratios(
+    monkeypatch: pytest.MonkeyPatch, layout: str, bias_correction: bool
+) -> None:
+    """Pieces of 2 rows: long tensors cross pieces, end in a tail, or are laid out otherwise
+    than their copy; the short ones make runs."""
+    from normhooks._step_hook import copies
+
+    monkeypatch.setattr(copies, "_PIECE", 2 * 1024)
+    shapes = [(3,), (70, 70), (5 * 1024 + 7,), (2048,), (90, 80)]
+    results = []
+    for foreach in (None, False):
+        torch.manual_seed(0)
+        params = [nn.Parameter(torch.randn(shape)) for shape in shapes]
+        if layout == "transposed":
+            params[-1] = nn.Parameter(torch.randn(80, 90).t())
+        for p in params:
+            p.grad = torch.randn_like(p)
+        hook = TrustRatio(foreach=foreach, bias_correction=bias_correction, eps=1e-3)
+        optimizer = torch.optim.AdamW(params, lr=1e-2, weight_decay=1e-2, foreach=True)
+        hook.attach(optimizer)
+        for _ in range(2):
+            optimizer.step()
+        results.append((hook.last_ratios[0], [p.detach() for p in params]))
+    (ratios, params), (base_ratios, base_params) = results
+    torch.testing.assert_close(ratios, base_ratios, rtol=1e-6, atol=0)
+    for param, base in zip(params, base_params, strict=True):
+        torch.testing.assert_close(param, base, rtol=1e-6, atol=1e-7)
