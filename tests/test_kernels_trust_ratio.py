@@ -87,6 +87,14 @@ def reference(
     return ratios, results
 
 
+def offsets(tensors: list[Tensor]) -> tuple[Tensor, int]:
+    """Where each tensor starts in a flat buffer of them all, and the buffer's size."""
+    starts = [0]
+    for tensor in tensors:
+        starts.append(starts[-1] + tensor.numel())
+    return torch.tensor(starts[:-1]), starts[-1]
+
+
 def step(
     dtype: torch.dtype, shapes: list[tuple[int, ...]] = SHAPES
 ) -> tuple[list[Tensor], list[Tensor], Tensor]:
@@ -102,17 +110,20 @@ def run(
 ) -> tuple[Tensor, Tensor, list[Tensor]]:
     """The copy launch on the old values, then the two launches on the new ones."""
     params = [o.clone() for o in olds]
-    squares = tr_kernels.copy_and_squares(params, flat)
+    where = offsets(params)
+    squares = tr_kernels.copy_and_squares(params, flat, *where)
     for param, new in zip(params, news, strict=True):
         param.copy_(new)
-    ratios = tr_kernels.rescale_updates(params, flat, squares, lr=lr, **settings_of(**given))
+    ratios = tr_kernels.rescale_updates(
+        params, flat, *where, squares, lr=lr, **settings_of(**given)
+    )
     return squares, ratios, params
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["float32", "float64"])
 def test_copy_writes_the_old_values_and_their_squares(dtype: torch.dtype) -> None:
     olds, _, flat = step(dtype)
-    squares = tr_kernels.copy_and_squares(olds, flat)
+    squares = tr_kernels.copy_and_squares(olds, flat, *offsets(olds))
     torch.testing.assert_close(flat, torch.cat([o.reshape(-1) for o in olds]), rtol=0, atol=0)
     want = torch.tensor([o.double().square().sum().item() for o in olds], dtype=torch.float64)
     torch.testing.assert_close(
@@ -200,30 +211,34 @@ def test_repeated_launches_find_the_table_with_its_counts_at_zero() -> None:
 @pytest.mark.parametrize(
     ("change", "match"),
     [
-        ("transposed", "contiguous parameters"),
-        ("short-buffer", "must be contiguous with"),
+        ("short-buffer", "must be contiguous with 12 values"),
+        ("offsets", "and one offset per parameter"),
         ("dtype", "flat buffer is a"),
     ],
 )
-def test_bad_layouts_refused(change: str, match: str) -> None:
+def test_bad_buffers_refused(change: str, match: str) -> None:
     params = [torch.randn(4, 3)]
-    flat = torch.empty(12)
-    if change == "transposed":
-        params = [torch.randn(3, 4).t()]
+    flat, where, total = torch.empty(12), torch.tensor([0]), 12
     if change == "short-buffer":
         flat = torch.empty(11)
+    if change == "offsets":
+        where = torch.tensor([0, 6])
     if change == "dtype":
         flat = torch.empty(12, dtype=torch.float64)
     with pytest.raises(ValueError, match=match):
-        tr_kernels.copy_and_squares(params, flat)
+        tr_kernels.copy_and_squares(params, flat, where, total)
 
 
 # --- the hook's dispatch -------------------------------------------------------------------
 
 
-def hooked_adamw(routed: bool, **hook: Any) -> tuple[list[nn.Parameter], normhooks.TrustRatio]:
+def hooked_adamw(
+    routed: bool, transposed: bool = False, **hook: Any
+) -> tuple[list[nn.Parameter], normhooks.TrustRatio]:
     torch.manual_seed(0)
     params = [nn.Parameter(torch.randn(shape)) for shape in SHAPES]
+    if transposed:
+        params.append(nn.Parameter(torch.randn(7, 5).t()))
     for param in params:
         param.grad = torch.randn_like(param)
     optimizer = torch.optim.AdamW(params, lr=1e-2, weight_decay=1e-2)
@@ -249,6 +264,21 @@ def test_hook_through_the_kernels_matches_the_eager_hook(hook: dict[str, Any]) -
     torch.testing.assert_close(kernel_hook.last_ratios, eager_hook.last_ratios, rtol=1e-6, atol=0)
     for a, b in zip(kernel_params, eager_params, strict=True):
         torch.testing.assert_close(a.detach(), b.detach(), rtol=1e-6, atol=1e-7)
+
+
+def test_a_permuted_parameter_takes_the_eager_formula(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The copy holds values in their logical order, which a kernel reading memory order would
+    not share: a unit with a non-contiguous parameter launches nothing."""
+
+    def unreachable(*args: Any) -> None:
+        raise AssertionError("launched")
+
+    monkeypatch.setattr(tr_kernels, "_COPY_SQUARES", unreachable)
+    kernel_params, kernel_hook = hooked_adamw(True, transposed=True)
+    eager_params, eager_hook = hooked_adamw(False, transposed=True)
+    torch.testing.assert_close(kernel_hook.last_ratios, eager_hook.last_ratios, rtol=0, atol=0)
+    for a, b in zip(kernel_params, eager_params, strict=True):
+        torch.testing.assert_close(a.detach(), b.detach(), rtol=0, atol=0)
 
 
 def test_hook_takes_three_launches_per_step(monkeypatch: pytest.MonkeyPatch) -> None:

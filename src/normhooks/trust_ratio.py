@@ -463,7 +463,7 @@ class TrustRatio(StepHook, TrustRatioSettings):
             and compat.plain_eager(*params)
             and all(map(Tensor.is_contiguous, params))
         ):
-            squares = _kernels.trust_ratio_copy(params, copies.buffer())
+            squares = _kernels.trust_ratio_copy(params, copies.buffer(), *copies.offsets())
             if squares is not None:  # None: the kernel failed here (warned once)
                 return copies.views, OldNorms(True, squares)
         if self._foreach is not False and in_cache_order(b, copies.views):
@@ -503,19 +503,20 @@ class TrustRatio(StepHook, TrustRatioSettings):
         """The kernel's rescaling of unit ``b``, or None where its group or state does not
         take it (the base's eager formula then reads the copy the kernel made)."""
         tr = cast(TrustRatioSettings, settings)
-        params = b.params
+        copies = b.unit.copies
+        # The pre-step checked the parameters (plain, contiguous) for the copy it launched;
+        # a step does not change their layout.
         if not (
             tr.bias_correction
             and lr is not None
-            and b.unit.copies is not None
-            and _kernels.available(params[0])
-            and compat.plain_eager(*params)
-            and all(map(Tensor.is_contiguous, params))
+            and copies is not None
+            and _kernels.available(b.params[0])
         ):
             return None
         return _kernels.trust_ratio_rescale(
-            params,
-            b.unit.copies.buffer(),
+            b.params,
+            copies.buffer(),
+            *copies.offsets(),
             w_squares,
             lr=lr,
             threshold=tr.threshold,

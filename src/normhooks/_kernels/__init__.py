@@ -204,14 +204,16 @@ def lars_unit_(params: list[Tensor], grads: list[Tensor], **settings: Any) -> Te
         return None
 
 
-def trust_ratio_copy(params: list[Tensor], flat: Tensor) -> Tensor | None:
+def trust_ratio_copy(
+    params: list[Tensor], flat: Tensor, offsets: Tensor, total: int
+) -> Tensor | None:
     """:func:`normhooks._kernels.trust_ratio.copy_and_squares`, or None where the kernel failed
     on this machine (warned once; the kernels are off from then on): the caller then copies
     the parameters itself."""
     from normhooks._kernels import _multi, trust_ratio
 
     try:
-        return trust_ratio.copy_and_squares(params, flat)
+        return trust_ratio.copy_and_squares(params, flat, offsets, total)
     except _multi.KernelFailedError as failure:
         if isinstance(failure.error, torch.OutOfMemoryError):
             raise failure.error from None
@@ -220,7 +222,12 @@ def trust_ratio_copy(params: list[Tensor], flat: Tensor) -> Tensor | None:
 
 
 def trust_ratio_rescale(
-    params: list[Tensor], flat: Tensor, w_squares: Tensor, **settings: Any
+    params: list[Tensor],
+    flat: Tensor,
+    offsets: Tensor,
+    total: int,
+    w_squares: Tensor,
+    **settings: Any,
 ) -> Tensor | None:
     """:func:`normhooks._kernels.trust_ratio.rescale_updates`, or None where a kernel failed on
     this machine before writing a parameter (warned once; the kernels are off from then on):
@@ -228,7 +235,7 @@ def trust_ratio_rescale(
     from normhooks._kernels import _multi, trust_ratio
 
     try:
-        return trust_ratio.rescale_updates(params, flat, w_squares, **settings)
+        return trust_ratio.rescale_updates(params, flat, offsets, total, w_squares, **settings)
     except _multi.KernelFailedError as failure:
         if isinstance(failure.error, torch.OutOfMemoryError):
             raise failure.error from None

@@ -11,7 +11,9 @@ ratio needs the whole tensor's norm before any value can be written.
 
 The old values are found as one flat buffer and each tensor's offset in it, not through the
 table: the buffer goes back to the caching allocator between steps and may come back at
-another address, while the parameters' table stays valid. All three launch through
+another address, while the parameters' table stays valid. The parameters must be contiguous
+(the flat buffer holds them in their logical order, which eager code reads as well); the
+caller checks that, and keeps the offsets with the buffer. All three launch through
 :class:`~normhooks._kernels._launch.Kernel`.
 """
 
@@ -277,9 +279,6 @@ def _rescale(  # type: ignore[no-untyped-def]
 _RESCALE = Kernel(_rescale)
 
 
-# Each tensor's offset in the flat buffer of old values, on the device: a function of the
-# device and the sizes.
-_offsets: KeyedCache[tuple[object, ...], Tensor] = KeyedCache(_multi.CACHE_SIZE)
 # The compiled variants, by everything Triton specializes them on except the alignment of the
 # pointers that _launch.Kernel checks at each launch.
 _variants: KeyedCache[tuple[object, ...], tuple[dict[Any, Any], ...]] = KeyedCache()
@@ -303,43 +302,26 @@ def _compiled(
     return _variants.get_or_make(key, lambda: ({}, {}, {}))
 
 
-def _layout(
-    params: list[Tensor], flat: Tensor, capturing: bool
-) -> tuple[_multi.ChunkTable, Tensor]:
-    """The parameters' table and their offsets in ``flat``, after the checks."""
-    if not all(map(Tensor.is_contiguous, params)):
-        raise ValueError(
-            "the trust ratio's kernels take contiguous parameters: the old values are kept "
-            "in the parameters' logical order, which a permuted layout does not share"
-        )
-    numels = [p.numel() for p in params]
+def _table(
+    params: list[Tensor], flat: Tensor, offsets: Tensor, total: int, capturing: bool
+) -> _multi.ChunkTable:
+    """The parameters' table, after the checks that cost nothing per tensor (the caller keeps
+    ``offsets`` and ``total`` with ``flat``, made once from the parameters' sizes)."""
     if flat.dtype != params[0].dtype or flat.device != params[0].device:
         raise ValueError(
             f"the flat buffer is a {flat.dtype} tensor on {flat.device}; the parameters are "
             f"{params[0].dtype} on {params[0].device}"
         )
-    if not flat.is_contiguous() or flat.numel() != sum(numels):
+    if not flat.is_contiguous() or flat.numel() != total or offsets.numel() != len(params):
         raise ValueError(
-            f"the flat buffer must be contiguous with {sum(numels)} values (the parameters' "
-            f"sizes added), got {flat.numel()} values"
+            f"the flat buffer must be contiguous with {total} values and one offset per "
+            f"parameter, got {flat.numel()} values and {offsets.numel()} offsets for "
+            f"{len(params)} parameters"
         )
-    table = _multi.table([params], ("params",), _multi.WHOLE, _CHUNK, capturing, _TECHNIQUE)
-    key = (flat.device, tuple(numels))
-    offsets = _offsets.get(key)
-    if offsets is None:
-        if capturing:
-            raise RuntimeError(
-                "TrustRatio's Triton kernels meet these parameters for the first time inside "
-                "a CUDA-graph capture; run a step on them before capturing"
-            )
-        starts = [0]
-        for numel in numels[:-1]:
-            starts.append(starts[-1] + numel)
-        offsets = _offsets.put(key, torch.tensor(starts, dtype=torch.int64).to(flat.device))
-    return table, offsets
+    return _multi.table([params], ("params",), _multi.WHOLE, _CHUNK, capturing, _TECHNIQUE)
 
 
-def copy_and_squares(params: list[Tensor], flat: Tensor) -> Tensor:
+def copy_and_squares(params: list[Tensor], flat: Tensor, offsets: Tensor, total: int) -> Tensor:
     r"""Copies ``params`` into ``flat`` (one after the other) and returns each one's
     :math:`\sum w^2`, in one launch.
 
@@ -350,12 +332,14 @@ def copy_and_squares(params: list[Tensor], flat: Tensor) -> Tensor:
     Args:
         params: the parameters, contiguous, of one device and floating dtype.
         flat: a contiguous buffer of their dtype and device, as long as their sizes added.
+        offsets: where each parameter starts in ``flat`` (int64, on the device).
+        total: their sizes added, ``flat``'s size.
     """
     device, dtype = params[0].device, params[0].dtype
     acc = compute_dtype(dtype)
     with on_device(device_index(device)):
         capturing = _multi.capturing(device)
-        table, offsets = _layout(params, flat, capturing)
+        table = _table(params, flat, offsets, total, capturing)
         partials = torch.empty(2 * table.chunks, dtype=acc, device=device)
         squares = torch.empty(len(params), dtype=acc, device=device)
         cache = _compiled(device, dtype, (), ())[0]
@@ -390,6 +374,8 @@ def copy_and_squares(params: list[Tensor], flat: Tensor) -> Tensor:
 def rescale_updates(
     params: list[Tensor],
     flat: Tensor,
+    offsets: Tensor,
+    total: int,
     w_squares: Tensor,
     *,
     lr: float | Tensor,
@@ -446,7 +432,7 @@ def rescale_updates(
                 "replay); under capture give lr as a 1-element tensor on the device, got "
                 f"lr={lr!r}"
             )
-        table, offsets = _layout(params, flat, capturing)
+        table = _table(params, flat, offsets, total, capturing)
         partials = torch.empty(2 * table.chunks, dtype=acc, device=device)
         ratios = torch.empty(len(params), dtype=acc, device=device)
         lr_tensor = ratios

@@ -40,6 +40,7 @@ class _Copies:
             for view, t in zip(torch.split(self._flat, numels), tensors, strict=True)
         ]
         self._pieces: _Pieces | None = None
+        self._offsets: tuple[Tensor, int] | None = None
 
     @property
     def views(self) -> list[Tensor]:
@@ -63,6 +64,18 @@ class _Copies:
         if storage.nbytes() != self._bytes:
             storage.resize_(self._bytes)
         return self._flat
+
+    def offsets(self) -> tuple[Tensor, int]:
+        """Where each view starts in :meth:`buffer`, as an int64 tensor on its device (made
+        at the first call, kept), and the buffer's size: for a kernel that finds the views
+        through the buffer's address, which may change from step to step."""
+        if self._offsets is None:
+            starts = [0]
+            for view in self._views:
+                starts.append(starts[-1] + view.numel())
+            on_device = torch.tensor(starts[:-1], dtype=torch.int64).to(self._flat.device)
+            self._offsets = (on_device, starts[-1])
+        return self._offsets
 
     def hold_with_norms(self, tensors: list[Tensor]) -> tuple[list[Tensor], Tensor]:
         """Copies float32 CPU ``tensors`` in, each piece's norm taken while it is in cache;
