@@ -48,6 +48,7 @@ import triton
 from torch import Tensor, nn
 from torch.nn.utils.parametrizations import weight_norm as torch_weight_norm
 
+import _hooks
 import _proxy
 from _counts import Counts, count
 from _models import (
@@ -60,9 +61,6 @@ from _models import (
 )
 from _timing import interleaved_rounds
 from normhooks import (
-    AdaptiveGradientClipping,
-    GradientLARS,
-    TrustRatio,
     apply_weight_norm,
     apply_weight_standardization,
     weight_norm,
@@ -92,6 +90,7 @@ class Candidate:
     counted: Callable[[], Tensor | None]  # the part that is counted (returns a loss, or None)
     baseline: str
     units: int
+    group: str = ""  # the heading it is printed under
 
 
 @dataclass
@@ -160,34 +159,24 @@ def parameters(shapes: Sequence[Sequence[int]]) -> list[nn.Parameter]:
     return params
 
 
-def hook_candidates(shapes: Sequence[Sequence[int]]) -> dict[str, Candidate]:
-    def sgd(hook: Callable[[torch.optim.Optimizer], object] | None) -> Callable[[], None]:
-        optimizer = torch.optim.SGD(parameters(shapes), lr=0.1, momentum=0.9, foreach=True)
-        optimizer.step()  # the momentum buffers, outside the timed steps
-        if hook is not None:
-            hook(optimizer)
-        return optimizer.step
+def hook_candidates(shapes: Sequence[Sequence[int]]) -> tuple[dict[str, Candidate], list[str]]:
+    """The rows of ``_hooks.hook_rows`` on ``shapes`` capped, and the notes on those left out."""
+    # Imported once the interpreter is off (main): its kernel must compile, not be interpreted.
+    import _floor
 
-    def adamw(hook: Callable[[torch.optim.Optimizer], object] | None) -> Callable[[], None]:
-        optimizer = torch.optim.AdamW(parameters(shapes), lr=1e-3, weight_decay=1e-2, foreach=True)
-        optimizer.step()
-        if hook is not None:
-            hook(optimizer)
-        return optimizer.step
-
-    sgd_alone, adamw_alone, tensors = "SGD(foreach) alone", "AdamW(foreach) alone", len(shapes)
-    rows = {
-        sgd_alone: (sgd(None), sgd_alone, 0),
-        "SGD(foreach) alone, again (noise)": (sgd(None), sgd_alone, 0),
-        "+ GradientLARS (kernel path)": (sgd(GradientLARS().attach), sgd_alone, tensors),
-        "+ AdaptiveGradientClipping": (sgd(AdaptiveGradientClipping().attach), sgd_alone, tensors),
-        adamw_alone: (adamw(None), adamw_alone, 0),
-        "+ TrustRatio": (adamw(TrustRatio().attach), adamw_alone, tensors),
-    }
-    return {name: Candidate(step, step, base, units) for name, (step, base, units) in rows.items()}
+    rows, notes = _hooks.hook_rows(lambda: parameters(shapes), _floor.launcher(torch.device("cpu")))
+    candidates = {}
+    for name, row in rows.items():
+        units = 0 if name in (row.baseline, _hooks.NOISE) else len(shapes)
+        candidates[name] = Candidate(row.step, row.step, row.baseline, units, row.group)
+    return candidates, notes
 
 
-def report(title: str, candidates: dict[str, Candidate], timing: Rounds, unit: str) -> None:
+def report(
+    title: str, candidates: dict[str, Candidate], timing: Rounds, unit: str
+) -> dict[str, float]:
+    """Prints the table; returns each row's median ratio to its baseline."""
+
     def launches() -> int:
         return sum(_proxy.DRIVER.launches.values())
 
@@ -202,29 +191,38 @@ def report(title: str, candidates: dict[str, Candidate], timing: Rounds, unit: s
         clock=time.thread_time,
     )
     print(f"\n{title}")
-    width = max(len(name) for name in candidates)
+    indent = "  " if any(c.group for c in candidates.values()) else ""
+    width = max(len(name) for name in candidates) + len(indent)
     print(
         f"  {'':<{width}}  {'host/step':>10}  {'ratio':>6}  {'rounds':>11}  {'added':>9}"
         f"  {'per ' + unit:>10}  {unit + 's':>7}  {'ops':>5}  {'allocs':>6}  {'views':>5}"
         f"  {'launches':>8}  {'nodes':>5}  {'Python':>6}"
     )
+    ratios: dict[str, float] = {}
+    group = ""
     for name, candidate in candidates.items():
+        if candidate.group != group:
+            group = candidate.group
+            print(f"  {group}")
         own, base = samples[name], samples[candidate.baseline]
         # Each round's candidate against its baseline of the same round, measured a moment
         # apart: the load of a shared machine drifts between rounds more than within one.
-        ratios = sorted(v / b for v, b in zip(own, base, strict=True))
-        spread = f"{ratios[len(ratios) // 4]:.2f}-{ratios[(3 * len(ratios)) // 4]:.2f}"
+        round_ratios = sorted(v / b for v, b in zip(own, base, strict=True))
+        low, high = round_ratios[len(own) // 4], round_ratios[(3 * len(own)) // 4]
+        spread = f"{low:.2f}-{high:.2f}"
         added = statistics.median(v - b for v, b in zip(own, base, strict=True))
         added_text = "-" if name == candidate.baseline else f"{added * 1e6:.0f} us"
         per_unit = f"{added / candidate.units * 1e6:.1f} us" if candidate.units else "-"
+        ratios[name] = statistics.median(round_ratios)
         c = counts[name]
         print(
-            f"  {name:<{width}}  {statistics.median(own) * 1e3:7.3f} ms"
-            f"  {statistics.median(ratios):5.2f}x  {spread:>11}  {added_text:>9}"
+            f"  {indent + name:<{width}}  {statistics.median(own) * 1e3:7.3f} ms"
+            f"  {ratios[name]:5.2f}x  {spread:>11}  {added_text:>9}"
             f"  {per_unit:>10}  {candidate.units or '-':>7}  {c.ops:>5}  {c.allocations:>6}"
             f"  {c.views:>5}  {c.launches:>8}  {c.nodes or '-':>5}"
             f"  {c.python_nodes if c.nodes else '-':>6}"
         )
+    return ratios
 
 
 def profile(candidates: dict[str, Candidate], wanted: str, calls: int) -> None:
@@ -295,13 +293,24 @@ def measure(args: argparse.Namespace, timing: Rounds) -> None:
                 profile(candidates, args.profile, timing.calls * timing.rounds)
         if args.only in (None, "hooks"):
             hooks = Rounds(timing.rounds, timing.calls * 4, timing.warmup)
-            for title, file in SHAPE_SETS.items():
+            ratios = {}
+            for name, file in SHAPE_SETS.items():
                 shapes = json.loads((SHAPES / file).read_text())
-                candidates = hook_candidates(shapes)
-                title = f"{title} ({len(shapes)} tensors, dims capped at {SHAPE_CAP}): step"
-                report(title, candidates, hooks, "tensor")
+                candidates, notes = hook_candidates(shapes)
+                title = (
+                    f"{name} ({len(shapes)} tensors, dims capped at {SHAPE_CAP}): optimizer "
+                    "step; each row against its optimizer alone"
+                )
+                ratios[name] = report(title, candidates, hooks, "tensor")
+                for note in notes:
+                    print(f"  ({note})")
                 if args.profile:
                     profile(candidates, args.profile, hooks.calls * hooks.rounds)
+                del candidates
+            smoke = " (a smoke run: one step, not a measurement)" if args.smoke else ""
+            print(f"\nIssue 26's targets on the proxy{smoke}:")
+            for line in _hooks.verdicts(ratios):
+                print(f"  {line}")
 
 
 if __name__ == "__main__":
