@@ -20,11 +20,14 @@ def time_side_by_side(
     device: torch.device,
     repeats: int,
     warmup: int = 2,
+    calls: int = 1,
 ) -> dict[str, float]:
     """Median seconds per call of each candidate, measured in interleaved rounds.
 
     Interleaving puts every candidate under the same machine noise, so their ratios mean
-    more than any absolute time.
+    more than any absolute time. Each sample times ``calls`` calls between two
+    synchronizations, so that on a GPU the host's launches of one call overlap the device's
+    work of the one before, as in a training loop.
     """
     for fn in candidates.values():
         for _ in range(warmup):
@@ -35,9 +38,10 @@ def time_side_by_side(
         for name, fn in candidates.items():
             synchronize(device)
             start = time.perf_counter()
-            fn()
+            for _ in range(calls):
+                fn()
             synchronize(device)
-            samples[name].append(time.perf_counter() - start)
+            samples[name].append((time.perf_counter() - start) / calls)
     return {name: statistics.median(values) for name, values in samples.items()}
 
 
