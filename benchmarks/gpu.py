@@ -464,13 +464,13 @@ def gradient_hooks(run: Run) -> None:
         )
         del params, grads
         table = f"{title}: optimizer step, each row against its optimizer alone"
-        rows, notes = _hooks.hook_rows(functools.partial(parameter_set, run, shapes), launch)
-        working = run.working(table, {name: row.step for name, row in rows.items()})
+        hooks = _hooks.hook_rows(functools.partial(parameter_set, run, shapes), launch)
+        working = run.working(table, {name: row.step for name, row in hooks.rows.items()})
         times = time_side_by_side(working, run.device, run.repeats, calls=HOOK_STEPS)
-        ratios[title] = _hooks.print_hook_table(table, rows, times)
-        for note in notes:
+        ratios[title] = _hooks.print_hook_table(table, hooks.rows, times)
+        for note in hooks.notes:
             print(f"  ({note})")
-        del rows, working
+        del hooks, working
         if run.device.type == "cuda":
             torch.cuda.empty_cache()  # the next set's tensors where these were
     where = "this GPU" if run.device.type == "cuda" else "a smoke run (not a measurement)"

@@ -16,9 +16,16 @@ Sections:
   layer's own kernels), torch's parametrizations.weight_norm, weight standardization as
   timm's batch_norm formulation, and the floors (an unchanged parametrization; one that
   multiplies by 1.0);
-- hooks: GradientLARS and AdaptiveGradientClipping on SGD(momentum, foreach), TrustRatio on
-  AdamW(foreach), on the parameter shapes of benchmarks/shapes/ with every dimension capped
-  (the tensors' number and ranks are the model's, their compute negligible).
+- hooks: the rows of ``_hooks.hook_rows``, which benchmarks/gpu.py times on a GPU too, on the
+  parameter shapes of benchmarks/shapes/ with every dimension capped (the tensors' number
+  and ranks are the model's, their compute negligible), one table per shape set, grouped
+  per hook, each row against its optimizer alone: SGD(momentum, foreach) and AdamW(foreach)
+  alone and their floors (empty step hooks; those hooks launching two empty Triton kernels,
+  the least a kernel of a hook costs); GradientLARS, AdaptiveGradientClipping,
+  GradientCentralization (on SGD) and TrustRatio (on AdamW), each beside its peers
+  (pytorch-optimizer's LARS, agc, centralize_gradient and Lamb; timm's Lars,
+  adaptive_clip_grad and Lamb where timm imports) and the loop a user writes by hand in a
+  step pre-hook; then one line per hook against issue 26's target on ResNet-50 and ViT-B/16.
 
 Each row gives the host time per step, its ratio to the baseline, the cost per layer or per
 tensor, and the counts per step: aten ops reaching the backends (of which allocations and
@@ -159,17 +166,20 @@ def parameters(shapes: Sequence[Sequence[int]]) -> list[nn.Parameter]:
     return params
 
 
-def hook_candidates(shapes: Sequence[Sequence[int]]) -> tuple[dict[str, Candidate], list[str]]:
-    """The rows of ``_hooks.hook_rows`` on ``shapes`` capped, and the notes on those left out."""
+def hook_candidates(
+    shapes: Sequence[Sequence[int]],
+) -> tuple[dict[str, Candidate], _hooks.HookTable]:
+    """The rows of ``_hooks.hook_rows`` on ``shapes`` capped, and the table they come from
+    (its notes; what must live as long as they do)."""
     # Imported once the interpreter is off (main): its kernel must compile, not be interpreted.
     import _floor
 
-    rows, notes = _hooks.hook_rows(lambda: parameters(shapes), _floor.launcher(torch.device("cpu")))
+    table = _hooks.hook_rows(lambda: parameters(shapes), _floor.launcher(torch.device("cpu")))
     candidates = {}
-    for name, row in rows.items():
+    for name, row in table.rows.items():
         units = 0 if name in (row.baseline, _hooks.NOISE) else len(shapes)
         candidates[name] = Candidate(row.step, row.step, row.baseline, units, row.group)
-    return candidates, notes
+    return candidates, table
 
 
 def report(
@@ -296,17 +306,17 @@ def measure(args: argparse.Namespace, timing: Rounds) -> None:
             ratios = {}
             for name, file in SHAPE_SETS.items():
                 shapes = json.loads((SHAPES / file).read_text())
-                candidates, notes = hook_candidates(shapes)
+                candidates, table = hook_candidates(shapes)
                 title = (
                     f"{name} ({len(shapes)} tensors, dims capped at {SHAPE_CAP}): optimizer "
                     "step; each row against its optimizer alone"
                 )
                 ratios[name] = report(title, candidates, hooks, "tensor")
-                for note in notes:
+                for note in table.notes:
                     print(f"  ({note})")
                 if args.profile:
                     profile(candidates, args.profile, hooks.calls * hooks.rounds)
-                del candidates
+                del candidates, table
             smoke = " (a smoke run: one step, not a measurement)" if args.smoke else ""
             print(f"\nIssue 26's targets on the proxy{smoke}:")
             for line in _hooks.verdicts(ratios):
