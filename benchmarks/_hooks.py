@@ -13,6 +13,7 @@ loop a user would write by hand, and the floors, with :data:`TARGETS` and :func:
 from __future__ import annotations
 
 import argparse
+import importlib
 import inspect
 import json
 from collections.abc import Callable, Mapping
@@ -250,14 +251,16 @@ def _peers() -> tuple[Any, Any, list[str]]:
     that does not. Imported here, not with the module: timm pulls in torchvision, which does
     not import beside every torch build."""
     notes = []
+    pytorch_optimizer: Any = None
+    timm: Any = None
     try:
-        import pytorch_optimizer
+        pytorch_optimizer = importlib.import_module("pytorch_optimizer")
     except ImportError as error:
-        pytorch_optimizer = None
         notes.append(f"pytorch-optimizer rows left out: {type(error).__name__}: {error}")
     try:
-        import timm.optim
-        import timm.utils.agc
+        timm = importlib.import_module("timm")
+        importlib.import_module("timm.optim")
+        importlib.import_module("timm.utils.agc")
     # timm's import fails in more ways than ImportError where torchvision does not match torch.
     except Exception as error:
         timm = None
@@ -344,7 +347,7 @@ def hook_rows(params: Params, launch: Callable[[], None]) -> HookTable:
         # As Ranger21 calls it (pytorch_optimizer/optimizer/ranger21.py): the clipped
         # gradient copied back, one tensor at a time.
         @torch.no_grad()
-        def pytorch_optimizer_agc(optimizer: torch.optim.Optimizer, *_: object) -> None:
+        def pytorch_optimizer_agc(optimizer: torch.optim.Optimizer, *hook_args: object) -> None:
             for _, p, grad in _trained(optimizer):
                 grad.copy_(peer_agc(p, grad, AGC_EPS, AGC_CLIPPING))
 
@@ -353,7 +356,7 @@ def hook_rows(params: Params, launch: Callable[[], None]) -> HookTable:
     if timm is not None:
         clip = timm.utils.agc.adaptive_clip_grad
 
-        def timm_agc(optimizer: torch.optim.Optimizer, *_: object) -> None:
+        def timm_agc(optimizer: torch.optim.Optimizer, *hook_args: object) -> None:
             clip([p for _, p, _ in _trained(optimizer)], AGC_CLIPPING, AGC_EPS)
 
         add(group, "SGD + timm adaptive_clip_grad", SGD_ALONE, _with_hooks(sgd(), timm_agc))
@@ -367,7 +370,7 @@ def hook_rows(params: Params, launch: Callable[[], None]) -> HookTable:
 
         # The list form, which stacks the gradients of each shape (as its SAM calls it,
         # pytorch_optimizer/optimizer/sam.py).
-        def pytorch_optimizer_gc(optimizer: torch.optim.Optimizer, *_: object) -> None:
+        def pytorch_optimizer_gc(optimizer: torch.optim.Optimizer, *hook_args: object) -> None:
             centralize([grad for _, _, grad in _trained(optimizer)], gc_conv_only=False)
 
         name = "SGD + pytorch-optimizer centralize_gradient (stacked per shape)"
