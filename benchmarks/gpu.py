@@ -30,8 +30,10 @@ prints its error and the next one runs; the exit status is 1 if anything failed.
    budget); those left out are named.
 
 The budget (240 s from the start of main; 120 with --quick) is what keeps a run inside a
-5-minute GPU slot: sections 1-4 are expected to take about a minute on an H200 (not measured
-yet), and section 5 compiles while the rest lasts.
+5-minute GPU slot: sections 1-4 are expected to take a minute or two on an H200 (not measured
+yet; the host proxy's hooks tables, with their per-tensor loops over 1,200 tensors, are its
+longest part), and section 5 compiles while the rest lasts. ``--only hooks host`` runs the
+gradient hooks on the GPU and on its host's proxy alone.
 
     python3 benchmarks/gpu.py [--repeats 10] [--budget 240] [--quick] [--no-compile]
                               [--only kernels hooks models host compile]
