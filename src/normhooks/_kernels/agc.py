@@ -122,11 +122,13 @@ def _squares_and_factors(  # type: ignore[no-untyped-def]
         floor = as_float(eps, acc)
         bounded = tl.where(w_norm < floor, floor, w_norm)
         max_norm = bounded * as_float(clipping, acc)
-        # Both branches are computed, only the chosen one is kept: the division by ||G|| is
-        # kept only where ||G|| > max_norm >= 0, so a zero gradient is never divided by.
-        factor = tl.where(g_norm > max_norm, div(max_norm, g_norm, acc), 1.0)
-        # 0 for a zero gradient (0/0 with eps=0); a zero unit with eps=0 has ratio inf.
-        ratio = tl.where(g_norm > 0.0, div(g_norm, bounded, acc), 0.0)
+        # Only where ||G|| > max_norm >= 0 is ||G|| divided by, so a zero gradient never is
+        # (where() computes both branches: the other divides by 1).
+        clipped = g_norm > max_norm
+        factor = tl.where(clipped, div(max_norm, tl.where(clipped, g_norm, 1.0), acc), 1.0)
+        # 0 for a zero gradient (no 0/0 with eps=0); a zero unit with eps=0 has ratio inf.
+        moved = g_norm > 0.0
+        ratio = tl.where(moved, div(g_norm, tl.where(moved, bounded, 1.0), acc), 0.0)
         first = tl.load(row_first_chunk + row)
         tl.store(scratch + 2 * first, factor.to(acc))
         tl.store(scratch + 2 * first + 1, ratio.to(acc))
