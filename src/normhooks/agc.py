@@ -190,7 +190,9 @@ def agc_(
     the input axis of ``nn.ConvTranspose`` weights, as in timm. Norms are per device and dtype,
     float16/bfloat16 computed in float32 and rounded once; on the CPU, units of more than 4096
     values are reduced in pieces whose sums of squares are added in float64 (a single float32
-    reduction of a long unit is not precise). Nothing is read back to the host.
+    reduction of a long unit is not precise). On CUDA with Triton, two kernel launches clip
+    every parameter of a device and dtype, whatever their number (DTensor shards excepted).
+    Nothing is read back to the host.
 
     Args:
         parameters: a tensor or an iterable of tensors; those without ``.grad`` are skipped.
