@@ -378,6 +378,34 @@ def test_is_deterministic() -> None:
     assert all(torch.equal(a, b) for a, b in zip(grads, copies, strict=True))
 
 
+@pytest.mark.usefixtures("small_chunks")
+def test_under_capture_refuses_tensors_it_has_not_seen(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Nothing is captured here: what the kernel refuses does not depend on it."""
+    params, grads = draw([(3, 20), (70,)], torch.float32)
+    before = [g.clone() for g in grads]
+    monkeypatch.setattr(_multi, "capturing", lambda device: True)
+    with pytest.raises(RuntimeError, match=r"AGC's Triton kernel .* before capturing"):
+        run(params, grads)
+    assert not _multi._tables
+    assert all(torch.equal(g, b) for g, b in zip(grads, before, strict=True))
+
+
+@pytest.mark.usefixtures("small_chunks")
+def test_under_capture_runs_on_a_table_built_before_and_keeps_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    params, grads = draw([(3, 20), (70,)], torch.float32)
+    values = [g.clone() for g in grads]
+    run(params, grads)  # the table, built before the capture
+    (table,) = _multi._tables.values()
+    for grad, value in zip(grads, values, strict=True):
+        grad.copy_(value)
+    expected, clipped = reference(params, grads, 0.01, 1e-3)
+    monkeypatch.setattr(_multi, "capturing", lambda device: True)
+    assert_result(run(params, grads), grads, expected, clipped)
+    assert any(kept is table for kept in _multi._kept)
+
+
 # --- bad input -------------------------------------------------------------------------------
 
 
