@@ -9,6 +9,7 @@ path (``route_cpu_tensors()``) is compared with its plain path end to end.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import warnings
@@ -535,3 +536,63 @@ def test_a_kernel_that_fails_warns_once_and_the_formula_takes_over(
     assert len(texts) == 1
     assert "Triton kernel for AGC failed" in texts[0]
     assert _fallback.broken()
+
+
+def _swap_data(params: list[nn.Parameter]) -> None:
+    params[0].data = params[0].data.clone()  # moved: a new address, the same identity
+
+
+def _transpose_in_place(params: list[nn.Parameter]) -> None:
+    params[1].data = params[1].data.t()  # square: same address and shape, other strides
+
+
+def _to_double(params: list[nn.Parameter]) -> None:
+    params[2].data = params[2].data.double()  # another dtype: a launch of its own
+
+
+def _resize(params: list[nn.Parameter]) -> None:
+    params[0].data = params[0].data[:2]  # fewer rows at the same address
+
+
+CHANGES = [
+    pytest.param(None, id="nothing"),
+    pytest.param(_swap_data, id="data-moved"),
+    pytest.param(_transpose_in_place, id="transposed-in-place"),
+    pytest.param(_to_double, id="dtype-changed"),
+    pytest.param(_resize, id="fewer-rows-same-address"),
+]
+
+
+@pytest.mark.usefixtures("small_chunks")
+@pytest.mark.parametrize("change", CHANGES)
+def test_a_change_between_steps_is_seen_on_the_kernel_path(
+    monkeypatch: pytest.MonkeyPatch, change: Any
+) -> None:
+    """Whatever changes under the hook between two steps (new gradients at each step too),
+    the kernel path gives the plain path's numbers at the second step."""
+
+    def train(routed: bool) -> tuple[list[Tensor], list[Tensor]]:
+        generator = torch.Generator().manual_seed(3)
+        shapes = [(5, 20), (6, 6), (3, 2, 3), (70,)]
+        params = [nn.Parameter(torch.randn(s, generator=generator)) for s in shapes]
+        optimizer = torch.optim.SGD(params, lr=0.1)
+        hook = AdaptiveGradientClipping(clipping=0.02)
+        hook.attach(optimizer)
+        for step in range(2):
+            if step == 1 and change is not None:
+                change(params)
+            for param in params:
+                param.grad = 0.1 * torch.randn(param.shape, generator=generator).to(param.dtype)
+            with _kernels.route_cpu_tensors() if routed else contextlib.nullcontext():
+                optimizer.step()
+        return [p.detach() for p in params], hook.last_ratios
+
+    kernel = Counting(agc_kernels._CLIP)
+    monkeypatch.setattr(agc_kernels, "_CLIP", kernel)
+    want_params, want_ratios = train(routed=False)
+    got_params, got_ratios = train(routed=True)
+    # One launch per step, and one more for a tensor moved to a dtype of its own.
+    assert kernel.launches == (3 if change is _to_double else 2)
+    for got, want in zip([*got_params, *got_ratios], [*want_params, *want_ratios], strict=True):
+        assert got.dtype == want.dtype
+        torch.testing.assert_close(got, want)
