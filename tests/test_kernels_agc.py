@@ -320,6 +320,19 @@ def test_a_non_finite_scaled_gradient_raises_the_flag(bad: float) -> None:
 
 
 @pytest.mark.usefixtures("small_chunks")
+@pytest.mark.parametrize("kernel", [True, False], ids=["kernel", "plain"])
+def test_the_flag_without_a_scale_sees_a_nan_in_an_unclipped_row(kernel: bool) -> None:
+    """A NaN gradient leaves its row's factor at 1 (nothing to write), yet is flagged."""
+    params, grads = draw([(3, 16), (2, 65)], torch.float32)
+    grads[1][0, 10] = math.nan
+    found_inf = torch.zeros(1)
+    settings = AGCSettings._checked({"clipping": 0.01, "eps": 1e-3})
+    with _kernels.route_cpu_tensors() if kernel else contextlib.nullcontext():
+        agc_unit_(params, grads, settings, None, norms=None, foreach=None, found_inf=found_inf)
+    assert found_inf.item() == 1.0
+
+
+@pytest.mark.usefixtures("small_chunks")
 def test_a_raised_flag_is_never_lowered() -> None:
     params, grads = draw([(3, 16)], torch.float32)
     found_inf = torch.ones(1)

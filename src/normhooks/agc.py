@@ -103,16 +103,17 @@ def agc_unit_(
         )
         if ratios is not None:  # None: the kernel failed here (warned once): the formula
             return ratios
-    if grad_scale is None:
-        return _clip_(params, grads, settings, norms, foreach)
-    # The base's unscaled path, taken here: float16/bfloat16 gradients as float32 copies,
-    # each gradient read and written checked for inf/NaN.
-    flag = torch.zeros((), device=grads[0].device) if found_inf is None else found_inf
-    sources = _unscaled_(grads, grad_scale, flag, foreach)
-    if norms is not None:
-        norms = (norms[0], norms[1] / grad_scale.to(norms[1].device, norms[1].dtype))
+    sources, flag = grads, found_inf
+    if grad_scale is not None:
+        # The base's unscaled path, taken here: float16/bfloat16 gradients as float32 copies,
+        # each gradient read and written checked for inf/NaN.
+        flag = torch.zeros((), device=grads[0].device) if flag is None else flag
+        sources = _unscaled_(grads, grad_scale, flag, foreach)
+        if norms is not None:
+            norms = (norms[0], norms[1] / grad_scale.to(norms[1].device, norms[1].dtype))
     ratios = _clip_(params, sources, settings, norms, foreach)
-    _written_(grads, sources, flag, foreach)
+    if flag is not None:
+        _written_(grads, sources, flag, foreach)
     return ratios
 
 

@@ -8,10 +8,10 @@ sums writes the row's factor :math:`\min(1, \lambda \max(\|W_i\|, \epsilon) / \|
 ratio :math:`\|G_i\| / \max(\|W_i\|, \epsilon)` into the partial-sum slots of the row's first
 chunk (read by then), and each tensor's first program zeroes its largest ratio. Launch 2 runs
 one program per chunk again: it multiplies the chunk by its row's factor (a factor of 1
-writes nothing, unless the gradients are unscaled on the way), and each row's first program
-raises its tensor's largest ratio with an integer atomic max on the ratio's bits: ratios are
-non-negative (or a positive NaN), whose bits order as their values do, so the result does
-not depend on the order programs run in.
+writes nothing, unless the gradients are unscaled or checked for inf/NaN on the way), and
+each row's first program raises its tensor's largest ratio with an integer atomic max on the
+ratio's bits: ratios are non-negative (or a positive NaN), whose bits order as their values
+do, so the result does not depend on the order programs run in.
 """
 
 # Triton ships without type information: its modules and @triton.jit are untyped to mypy.
@@ -197,9 +197,12 @@ def _clip(  # type: ignore[no-untyped-def]
     if scaled:
         inverse = _inverse_scale(grad_scale, acc)
         _rescale(g, start, stop, factor, inverse, found_inf, dtype, acc, block, True, flag_overflow)
+    elif flag_overflow:
+        # Every value is checked, an unclipped row's too.
+        _rescale(g, start, stop, factor, 1.0, found_inf, dtype, acc, block, False, True)
     elif factor != 1.0:
         # g * 1 is g, bit for bit (a NaN stays NaN): an unclipped row is left unwritten.
-        _rescale(g, start, stop, factor, 1.0, found_inf, dtype, acc, block, False, flag_overflow)
+        _rescale(g, start, stop, factor, 1.0, found_inf, dtype, acc, block, False, False)
     if chunk == first:
         # |ratio|: the bits of a NaN with its sign cleared order above every other ratio's,
         # as amax puts NaN above them.
@@ -262,7 +265,8 @@ def agc_unit_(
     tensor otherwise), with :math:`b_i = \max(\|W_i\|, \epsilon)`:
     :math:`G_i \leftarrow (\lambda b_i / \|G_i\|)\,G_i` where :math:`\|G_i\| > \lambda b_i`,
     unchanged elsewhere. With ``grad_scale`` (:math:`s`, a GradScaler's scale) the gradients
-    arrive scaled: norms use :math:`G / s` and every written gradient is unscaled. With
+    arrive scaled: each value is unscaled as GradScaler unscales it (times :math:`1/s`
+    rounded to float32) before it enters a norm or is clipped and written. With
     ``found_inf`` (a 1-element float32 tensor), it is set to 1 if any written value is not
     finite, and left alone otherwise. float16/bfloat16 are computed in float32 and rounded
     once.
@@ -299,7 +303,8 @@ def agc_unit_(
         )
     (params, grads), (_, copied) = _multi.laid_out([params, grads], _multi.DIM0)
     scalars = (bits(clipping), bits(eps))
-    with on_device(device_index(device)):
+    index = device_index(device)
+    with on_device(index):
         capturing = _multi.capturing(device)
         table = _multi.table(
             [params, grads], ("params", "grads"), _multi.DIM0, _CHUNK, capturing, "AGC"
@@ -321,7 +326,7 @@ def agc_unit_(
         try:
             _launch(
                 (table.chunks, 1),
-                device_index(device),
+                index,
                 table,
                 scratch,
                 maxima,
