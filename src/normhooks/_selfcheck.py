@@ -145,12 +145,12 @@ def paths(on_device: bool, enabled: bool) -> dict[str, str]:
     lars = "a Triton kernel: two launches per step"
     found = {name: weights if on_device and enabled else plain for name in _WEIGHTS}
     found["GradientLARS"] = lars if on_device and enabled else plain
+    found["AdaptiveGradientClipping"] = lars if on_device and enabled else plain
     return found | dict.fromkeys(_NO_KERNEL, "the plain torch formula (no kernel)")
 
 
 _WEIGHTS = ("WeightNorm", "WeightStandardization", "ScaledWeightStandardization")
 _NO_KERNEL = (
-    "AdaptiveGradientClipping",
     "TrustRatio",
     "GradientCentralization",
     "Hypersphere",
@@ -209,7 +209,8 @@ class _Case(NamedTuple):
 
     @property
     def peer(self) -> str:
-        return {"wn": "torch weight_norm", "lars": "SGD alone"}.get(self.technique, WS_PEER)
+        peers = {"wn": "torch weight_norm", "lars": "SGD alone", "agc": "SGD alone"}
+        return peers.get(self.technique, WS_PEER)
 
     def ours(self, model: nn.Module) -> nn.Module:
         if self.technique == "wn":
@@ -242,6 +243,7 @@ CASES = (
     _Case("apply_weight_std. scaled", "scaled ws", fused=True),
     _Case("GradientLARS step", "lars"),
     _Case("GradientLARS decay, skip", "lars", zero_grad_modes=("decay", "skip")),
+    _Case("AdaptiveGradientClipping", "agc"),
 )
 
 
@@ -359,6 +361,45 @@ class _LARS:
         return (lambda: self._step(ours)), (lambda: self._step(theirs))
 
 
+class _AGC:
+    """The AGC case: SGD with momentum over LARS's shapes, with and without it. The second
+    tensor's gradient is exactly zero and the first tensor's first row of weights too (a unit
+    at the eps floor)."""
+
+    def __init__(self, case: _Case, s: _Sizes, dtype: torch.dtype, device: torch.device) -> None:
+        self.lars = _LARS(case, s, dtype, device)
+        self.lars.params[0][0].zero_()
+
+    def _optimizer(
+        self, hooked: bool
+    ) -> tuple[torch.optim.SGD, normhooks.AdaptiveGradientClipping]:
+        params = [nn.Parameter(p.clone()) for p in self.lars.params]
+        optimizer = torch.optim.SGD(params, lr=1e-3, momentum=0.9)
+        hook = normhooks.AdaptiveGradientClipping(clipping=0.01)
+        if hooked:
+            hook.attach(optimizer)
+        return optimizer, hook
+
+    def steps(self) -> dict[str, Tensor]:
+        """Two steps of a fresh optimizer: the ratios and the gradients AGC wrote."""
+        optimizer, hook = self._optimizer(hooked=True)
+        found: dict[str, Tensor] = {}
+        for step in (1, 2):
+            self.lars._step(optimizer)
+            found[f"step {step} ratios"] = hook.last_ratios[0].detach().clone()
+            for i, p in enumerate(optimizer.param_groups[0]["params"]):
+                found[f"step {step} AGC gradient {i}"] = p.grad.detach().clone()
+        return found
+
+    def timed(self) -> tuple[Callable[[], None], Callable[[], None]]:
+        ours, _ = self._optimizer(hooked=True)
+        theirs, _ = self._optimizer(hooked=False)
+        return (lambda: self.lars._step(ours)), (lambda: self.lars._step(theirs))
+
+
+_SETUPS: dict[str, type[_LARS] | type[_AGC]] = {"lars": _LARS, "agc": _AGC}
+
+
 # --- comparing and timing ------------------------------------------------------------------
 
 
@@ -426,7 +467,7 @@ def check_case(case: _Case, dtype: torch.dtype, device: torch.device, s: _Sizes)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
-            setup = (_LARS if case.technique == "lars" else _Layers)(case, s, dtype, device)
+            setup = _SETUPS.get(case.technique, _Layers)(case, s, dtype, device)
             with _float32_matmuls():
                 got = setup.steps()
                 with normhooks.set_kernels_enabled(False):
