@@ -104,14 +104,16 @@ def centralize_gradients_(
     dim 0 is the axis for every tensor, as in the paper and pytorch-optimizer: for a
     ``nn.ConvTranspose*`` weight (shape ``[in, out / groups, *kernel]``) that is the input
     axis, whose rows are then centralized. float16/bfloat16 gradients are computed in float32
-    and rounded once. Nothing is read back to the host.
+    and rounded once. Nothing is read back to the host. On CUDA with Triton a kernel
+    centralizes every chosen gradient of one device and dtype in one launch (two where a row
+    is longer than 32768 values), whatever ``foreach`` says.
 
     Args:
         parameters: a tensor or an iterable of tensors; those without ``.grad`` are skipped.
         conv_only: centralize only the gradients of four or more dimensions (GCC).
-        foreach: True or None take one multi-tensor op for the subtraction on an
-            accelerator (on the CPU a tensor's mean and subtraction run together, while it
-            is in cache), False one tensor at a time.
+        foreach: without the kernel, True or None take one multi-tensor op for the
+            subtraction on an accelerator (on the CPU a tensor's mean and subtraction run
+            together, while it is in cache), False one tensor at a time.
 
     References:
         Yong, Huang, Hua and Zhang, Gradient Centralization: A New Optimization Technique for
