@@ -388,3 +388,36 @@ def test_out_of_memory_in_the_kernel_is_raised(monkeypatch: pytest.MonkeyPatch) 
     with kernel_path(), pytest.raises(torch.OutOfMemoryError, match="out of memory"):
         centralize_gradients_([param_with_grad(3, 4)])
     assert not _kernels._fallback.broken()
+
+
+@pytest.mark.parametrize("bad", [None, float("inf")], ids=["finite", "inf"])
+@pytest.mark.usefixtures("small_chunks")
+def test_under_grad_scaler_a_fused_step_is_the_plain_paths(
+    bad: float | None, launches: tuple[Launches, Launches]
+) -> None:
+    """GradScaler leaves a fused optimizer's gradients scaled: the hook unscales them for the
+    kernel, and an inf still skips the step."""
+    first, _ = launches
+    weights = torch.randn(3, 70, device=DEVICE)
+
+    def step(kernels: bool) -> tuple[Tensor, Tensor, float]:
+        param = nn.Parameter(torch.ones(3, 70, device=DEVICE))
+        optimizer = torch.optim.Adam([param], lr=0.1, fused=True)
+        GradientCentralization().attach(optimizer)
+        scaler = torch.amp.GradScaler(DEVICE, init_scale=1024.0)
+        with kernel_path(), normhooks.set_kernels_enabled(kernels):
+            scaler.scale((param * weights).sum()).backward()
+            assert param.grad is not None
+            if bad is not None:
+                param.grad[1, 3] = bad
+            scaler.step(optimizer)
+            scaler.update()
+        return param.detach(), param.grad, scaler.get_scale()
+
+    plain = step(False)
+    ours = step(True)
+    assert first.count == 1
+    torch.testing.assert_close(ours[:2], plain[:2], equal_nan=True)
+    assert ours[2] == plain[2] == (1024.0 if bad is None else 512.0)
+    if bad is not None:
+        assert torch.equal(ours[0], torch.ones(3, 70, device=DEVICE))
