@@ -142,7 +142,7 @@ def gc_kernels() -> None:
     comes from the int64 table."""
     for dtype in DTYPES:
         a = "*fp64" if dtype == "fp64" else "*fp32"
-        types = {**CHUNK_TABLE, "g_ptrs": "*i64", "partials": a, "means": a}
+        types = {**CHUNK_TABLE, "g_ptrs": "*i64", "partials": a, "means": a, "first": "i32"}
         constants = {"dtype": DTYPES[dtype], "acc": accumulator(dtype), "block": 1024}
         for fn, extra in ((gc._centralize, {"partials_block": 128}), (gc._subtract_means, {})):
             for aligned in (True, False):

@@ -90,10 +90,12 @@ class Launches:
     def __init__(self, kernel: Any) -> None:
         self.kernel = kernel
         self.count = 0
+        self.grid: tuple[int, ...] = ()
         self.arguments: dict[str, Any] = {}
 
     def __call__(self, cache: Any, grid: Any, device: Any, pointers: Any, *args: Any) -> None:
         self.count += 1
+        self.grid = grid
         self.arguments = dict(zip(self.kernel.fn.arg_names, args, strict=True))
         self.kernel(cache, grid, device, pointers, *args)
 
@@ -181,15 +183,24 @@ def test_one_launch_where_every_row_fits_a_chunk(launches: tuple[Launches, Launc
 
 
 @pytest.mark.usefixtures("small_chunks")
-def test_a_second_launch_where_a_row_spans_several_chunks(
+def test_a_second_launch_over_the_chunks_of_rows_of_several(
     launches: tuple[Launches, Launches],
 ) -> None:
+    """Its programs cover the span from the first chunk of such a row to the last."""
     first, second = launches
-    grads = gradients([(3, 16), (2, 65)], torch.float32)
+    shapes = [(3, 16), (2, 65), (4, 2, 3, 3), (1, 200), (5, 7)]
+    grads = gradients(shapes, torch.float32)
     wanted = [reference(grad) for grad in grads]
     gc_kernels.centralize_unit_(grads)
     assert (first.count, second.count) == (1, 1)
     assert second.arguments["means"] is first.arguments["means"]
+    # Chunks: 3 rows of 1, 2 rows of 2, 4 rows of 1, 1 row of 4, 5 rows of 1.
+    assert first.grid[0] == 3 + 4 + 4 + 4 + 5
+    assert (second.arguments["first"], second.grid[0]) == (3, 4 + 4 + 4)
+    (table,) = _multi._tables.values()
+    per_row = table.row_first_chunk.diff().cpu()
+    several = torch.repeat_interleave(per_row > 1, per_row)
+    assert several.nonzero().flatten().tolist() == [3, 4, 5, 6, 11, 12, 13, 14]
     assert_centralized(grads, wanted)
 
 
@@ -421,3 +432,11 @@ def test_under_grad_scaler_a_fused_step_is_the_plain_paths(
     assert ours[2] == plain[2] == (1024.0 if bad is None else 512.0)
     if bad is not None:
         assert torch.equal(ours[0], torch.ones(3, 70, device=DEVICE))
+
+
+@pytest.mark.usefixtures("small_chunks")
+def test_a_span_counted_unlike_the_table_is_an_error() -> None:
+    grads = gradients([(2, 65), (3, 4)], torch.float32)
+    table = _multi.table([grads], ("grads",), _multi.DIM0, gc_kernels._CHUNK, False, "test")
+    with pytest.raises(RuntimeError, match="no longer numbers chunks as"):
+        gc_kernels._span(table, grads[:1])

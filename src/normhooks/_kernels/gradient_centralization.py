@@ -6,9 +6,9 @@ dim 0 cut into chunks of at most ``_CHUNK`` values, one program per chunk. A row
 program's alone: it sums the row, then reads it again, still in cache, and writes
 :math:`g - \bar g`, with :math:`\bar g = \sum g / M` in the compute dtype. In a row of several
 chunks the program that completes the row's sum (:func:`~normhooks._kernels._multi.row_sums`)
-writes its mean, and a second launch subtracts it from every chunk: the second launch is made
-only where the tensors have such rows, which their table says (a function of their shapes, so
-no value is read back to the host).
+writes its mean, and a second launch, over the span of chunks that holds such rows, subtracts
+it from each of their chunks: the second launch is made only where the tensors have such rows,
+which their table says (a function of their shapes, so no value is read back to the host).
 """
 
 # Triton ships without type information: its modules and @triton.jit are untyped to mypy.
@@ -16,6 +16,7 @@ no value is read back to the host).
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, NamedTuple
 
 import torch
@@ -96,7 +97,7 @@ def _centralize(  # type: ignore[no-untyped-def]
 _CENTRALIZE = Kernel(_centralize)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["first"])
 def _subtract_means(  # type: ignore[no-untyped-def]
     g_ptrs,
     chunk_tensor,
@@ -105,11 +106,15 @@ def _subtract_means(  # type: ignore[no-untyped-def]
     chunk_stop,
     row_first_chunk,
     means,
+    first,
     dtype: tl.constexpr,
     acc: tl.constexpr,
     block: tl.constexpr,
 ):
-    _, tensor, row, start, stop = chunk_at(chunk_tensor, chunk_row, chunk_start, chunk_stop)
+    # One program per chunk from chunk ``first`` on (see _span).
+    _, tensor, row, start, stop = chunk_at(
+        chunk_tensor + first, chunk_row + first, chunk_start + first, chunk_stop + first
+    )
     # Rows of one chunk were written by the first launch.
     if tl.load(row_first_chunk + row + 1) - tl.load(row_first_chunk + row) > 1:
         g = tensor_at(g_ptrs, tensor, dtype)
@@ -132,9 +137,45 @@ class _Variants(NamedTuple):
     nothing."""
 
 
+# The span of chunks that holds every row of several chunks, by table (see _span); an entry is
+# found again only for the table it was computed from, which is alive, and whose content does
+# not change: valid by construction.
+_spans: KeyedCache[int, tuple[weakref.ref[_multi.ChunkTable], int, int]] = KeyedCache(
+    _multi.CACHE_SIZE
+)
+
+
+def _span(table: _multi.ChunkTable, grads: list[Tensor]) -> tuple[int, int]:
+    """``(first, count)``: the chunks from ``first`` to ``first + count`` hold every row of
+    several chunks of ``table`` (of ``grads``), so that the second launch runs one program per
+    chunk there rather than over every chunk. Numbered as the table numbers them: tensor
+    after tensor, row after row, one chunk per ``_CHUNK`` values, one for an empty row.
+    """
+    found = _spans.get(id(table))
+    if found is not None and found[0]() is table:
+        return found[1], found[2]
+    first, last, position = table.chunks, 0, 0
+    for grad in grads:
+        rows = _multi.row_count(grad.shape, _multi.DIM0)
+        per_row = max(1, -(-(grad.numel() // rows) // _CHUNK))
+        if per_row > 1:
+            first, last = min(first, position), position + rows * per_row
+        position += rows * per_row
+    if position != table.chunks or first >= last:
+        raise RuntimeError(
+            f"gradient centralization counted {position} chunks, with rows of several from "
+            f"{first} to {last}, in a table of {table.chunks}: _span no longer numbers "
+            "chunks as normhooks._kernels._multi.ChunkTable does"
+        )
+    _spans.put(id(table), (weakref.ref(table), first, last - first))
+    return first, last - first
+
+
 # By everything Triton specializes both kernels on except the alignment of the pointers that
 # _launch.Kernel checks at each launch: the device, the dtype (which fixes the accumulator's,
-# that of partials and means) and the constexprs. They take no int argument.
+# that of partials and means) and the constexprs. Their one int argument, the second's
+# first chunk, is not specialized on, and always fits 32 bits (2**31 chunks would need a
+# table of 2**31 rows).
 _variants: KeyedCache[tuple[object, ...], _Variants] = KeyedCache()
 
 
@@ -176,8 +217,9 @@ def centralize_unit_(grads: list[Tensor]) -> None:
         if several:
             partials = torch.empty(2 * table.chunks, dtype=acc, device=device)
             means = torch.empty(table.rows, dtype=acc, device=device)
+        span = _span(table, grads) if several else (0, 0)
         try:
-            _launch(table, partials, means, variants, dtype, several)
+            _launch(table, partials, means, variants, dtype, span)
         except Exception as error:
             # The caller computes the plain formula (normhooks._kernels.centralize_unit_).
             # A failure comes before the first write, or between the launches: then the rows
@@ -193,7 +235,7 @@ def _launch(
     means: Tensor,
     variants: _Variants,
     dtype: torch.dtype,
-    several: bool,
+    span: tuple[int, int],
 ) -> None:
     """The launches of :func:`centralize_unit_`."""
     grid = (table.chunks, 1)
@@ -218,10 +260,11 @@ def _launch(
         _BLOCK,
         _PARTIALS_BLOCK,
     )
-    if several:
+    first, count = span
+    if count:
         _SUBTRACT_MEANS(
             variants.second,
-            grid,
+            (count, 1),
             index,
             (table.storage, means),
             *table.pointers,
@@ -231,6 +274,7 @@ def _launch(
             table.chunk_stop,
             table.row_first_chunk,
             means,
+            first,
             dtype_tl,
             acc_dtype(dtype),
             _BLOCK,
