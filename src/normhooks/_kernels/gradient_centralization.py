@@ -1,4 +1,4 @@
-r"""Gradient centralization for every gradient of one device and dtype in one kernel launch.
+r"""Gradient centralization for every gradient of one device and dtype in one kernel launch, or two.
 
 A description on the multi-tensor machinery of :mod:`normhooks._kernels._multi`: each row along
 dim 0 cut into chunks of at most ``_CHUNK`` values, one program per chunk. A row of one chunk
