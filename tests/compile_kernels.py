@@ -22,6 +22,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from normhooks._kernels import agc, lars
+from normhooks._kernels import gradient_centralization as gc
 from normhooks._kernels import weight_norm as wn
 from normhooks._kernels import weight_standardization as ws
 from normhooks._kernels._launch import Kernel
@@ -160,6 +161,19 @@ def agc_kernels() -> None:
         )
 
 
+def gc_kernels() -> None:
+    """Both of gradient centralization's kernels in every dtype, aligned or not: every offset
+    comes from the int64 table."""
+    for dtype in DTYPES:
+        a = "*fp64" if dtype == "fp64" else "*fp32"
+        types = {**CHUNK_TABLE, "g_ptrs": "*i64", "partials": a, "means": a, "first": "i32"}
+        constants = {"dtype": DTYPES[dtype], "acc": accumulator(dtype), "block": 1024}
+        for fn, extra in ((gc._centralize, {"partials_block": 128}), (gc._subtract_means, {})):
+            for aligned in (True, False):
+                kernel = build(fn, types, {**constants, **extra}, aligned=aligned)
+                check_wide(kernel, f"gradient_centralization.{fn.__name__} ({dtype})")
+
+
 class CheckedKernel(Kernel):
     """A :class:`Kernel` that, after each launch, asks Triton's own binder which compiled
     kernel these arguments take, and fails unless it is the one the caller's cache holds."""
@@ -286,6 +300,29 @@ def agc_direct_launches() -> None:
                     calls += 1
     if any(kernel.hits < calls // 2 for kernel in checked):
         raise AssertionError(f"direct launches checked: {[k.hits for k in checked]} of {calls}")
+
+
+def gc_direct_launches() -> None:
+    """Every call signature of gradient centralization's kernels launches, from its cache,
+    the compiled kernel Triton's binder picks (see :func:`lars_direct_launches`): each dtype,
+    with rows of one chunk only (one launch, partials and means one kept tensor) and with a
+    row of several (two launches, both fresh)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import _proxy
+
+    checked = CheckedKernel(gc._CENTRALIZE), CheckedKernel(gc._SUBTRACT_MEANS)
+    gc._CENTRALIZE, gc._SUBTRACT_MEANS = checked
+    with _proxy.cuda_path_on_cpu():
+        for dtype in (torch.float32, torch.float64, torch.float16, torch.bfloat16):
+            for shapes in ([(3, 4), (2, 5, 3, 3)], [(3, 4), (2, gc._CHUNK + 1)]):
+                grads = [torch.ones(shape, dtype=dtype) for shape in shapes]
+                # Twice: the second call of a signature finds its kernels cached.
+                for _ in range(2):
+                    gc.centralize_unit_(grads)
+    # Each kernel compiles once per dtype (the pointers are aligned alike), then is found: 16
+    # first launches, 8 second ones (the calls with a long row).
+    if [kernel.hits for kernel in checked] != [16 - 4, 8 - 4]:
+        raise AssertionError(f"direct launches checked: {[k.hits for k in checked]}")
 
 
 class RowKernel(NamedTuple):
@@ -427,6 +464,8 @@ def main() -> None:
     lars_direct_launches()
     agc_kernels()
     agc_direct_launches()
+    gc_kernels()
+    gc_direct_launches()
     row_kernels()
     ones_kernels()
     fused_kernels()

@@ -231,6 +231,23 @@ def test_the_agc_line_passes_on_the_kernel_path(monkeypatch: pytest.MonkeyPatch)
     assert status == 0
 
 
+def test_a_gradient_centralization_kernel_off_by_a_little_is_a_mismatch(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    launch = _kernels.centralize_unit_
+
+    def off(grads: list[torch.Tensor]) -> bool:
+        done = launch(grads)
+        for grad in grads:
+            grad.mul_(1 + 1e-3)
+        return done
+
+    monkeypatch.setattr(_kernels, "centralize_unit_", off)
+    status, printed = _routed(checks=["GradientCentralization"], dtypes=[torch.float32])
+    assert re.search(r"GradientCentralization +float32 +MISMATCH \(max error", printed), printed
+    assert status == 1
+
+
 def test_every_hook_has_a_path_line() -> None:
     hooks = {
         name

@@ -3,9 +3,9 @@
 A GPU user runs it once. It prints normhooks', torch's and Triton's versions, the device,
 whether the kernels are on (and why not) and the path each technique takes; then, on CUDA,
 it runs every kernel path (Weight Normalization and (Scaled) Weight Standardization on one
-layer and fused over a small model, GradientLARS's step) in float32, bfloat16 and float16,
-over two steps with the parameters changed between them, and compares the forward values and
-the gradients with the plain torch formula on the same device
+layer and fused over a small model, the steps of GradientLARS and GradientCentralization)
+in float32, bfloat16 and float16, over two steps with the parameters changed between them,
+and compares the forward values and the gradients with the plain torch formula on the same device
 (``normhooks.set_kernels_enabled(False)``). Each is timed against the peer a user would pick
 instead. ``--json`` writes the same report, which is how GPU figures come back to the project.
 
@@ -146,13 +146,14 @@ def paths(on_device: bool, enabled: bool) -> dict[str, str]:
     found = {name: weights if on_device and enabled else plain for name in _WEIGHTS}
     found["GradientLARS"] = lars if on_device and enabled else plain
     found["AdaptiveGradientClipping"] = lars if on_device and enabled else plain
+    gc = "a Triton kernel: one launch per step (two where a row spans several chunks)"
+    found["GradientCentralization"] = gc if on_device and enabled else plain
     return found | dict.fromkeys(_NO_KERNEL, "the plain torch formula (no kernel)")
 
 
 _WEIGHTS = ("WeightNorm", "WeightStandardization", "ScaledWeightStandardization")
 _NO_KERNEL = (
     "TrustRatio",
-    "GradientCentralization",
     "Hypersphere",
     "UpdateRMS",
 )
@@ -210,6 +211,7 @@ class _Case(NamedTuple):
     @property
     def peer(self) -> str:
         peers = {"wn": "torch weight_norm", "lars": "SGD alone", "agc": "SGD alone"}
+        peers["gc"] = "SGD alone"
         return peers.get(self.technique, WS_PEER)
 
     def ours(self, model: nn.Module) -> nn.Module:
@@ -244,6 +246,7 @@ CASES = (
     _Case("GradientLARS step", "lars"),
     _Case("GradientLARS decay, skip", "lars", zero_grad_modes=("decay", "skip")),
     _Case("AdaptiveGradientClipping", "agc"),
+    _Case("GradientCentralization", "gc"),
 )
 
 
@@ -397,7 +400,48 @@ class _AGC:
         return (lambda: self.lars._step(ours)), (lambda: self.lars._step(theirs))
 
 
-_SETUPS: dict[str, type[_LARS] | type[_AGC]] = {"lars": _LARS, "agc": _AGC}
+class _GC:
+    """The gradient centralization case: SGD with momentum over the LARS case's shapes and a
+    row longer than the kernel's chunk (ViT-B/16's position embedding, or the routed check's
+    smaller one), with and without the hook."""
+
+    def __init__(self, case: _Case, s: _Sizes, dtype: torch.dtype, device: torch.device) -> None:
+        long_row = (1, 197, 768) if s is _CUDA_SIZES else (1, 2, 20_000)
+        shapes = (*s.lars_shapes, long_row)
+        self.params = [_random(shape, i, dtype, device) for i, shape in enumerate(shapes)]
+        # Rows with a mean to remove.
+        self.grads = [0.01 * (_random(p.shape, 50 + i, dtype, device) + 0.5)
+                      for i, p in enumerate(self.params)]  # fmt: skip
+
+    def _optimizer(self, hooked: bool) -> torch.optim.SGD:
+        params = [nn.Parameter(p.clone()) for p in self.params]
+        optimizer = torch.optim.SGD(params, lr=1e-3, momentum=0.9)
+        if hooked:
+            normhooks.GradientCentralization().attach(optimizer)
+        return optimizer
+
+    def _step(self, optimizer: torch.optim.SGD) -> None:
+        for p, g in zip(optimizer.param_groups[0]["params"], self.grads, strict=True):
+            p.grad = g.clone()
+        optimizer.step()
+
+    def steps(self) -> dict[str, Tensor]:
+        """Two steps of a fresh optimizer: the gradients the hook wrote, and the parameters."""
+        optimizer = self._optimizer(hooked=True)
+        found: dict[str, Tensor] = {}
+        for step in (1, 2):
+            self._step(optimizer)
+            for i, p in enumerate(optimizer.param_groups[0]["params"]):
+                found[f"step {step} centralized gradient {i}"] = p.grad.detach().clone()
+                found[f"step {step} parameter {i}"] = p.detach().clone()
+        return found
+
+    def timed(self) -> tuple[Callable[[], None], Callable[[], None]]:
+        ours, theirs = self._optimizer(hooked=True), self._optimizer(hooked=False)
+        return (lambda: self._step(ours)), (lambda: self._step(theirs))
+
+
+_SETUPS: dict[str, type[_LARS] | type[_AGC] | type[_GC]] = {"lars": _LARS, "agc": _AGC, "gc": _GC}
 
 
 # --- comparing and timing ------------------------------------------------------------------

@@ -219,6 +219,22 @@ def agc_unit_(params: list[Tensor], grads: list[Tensor], **settings: Any) -> Ten
         return None
 
 
+def centralize_unit_(grads: list[Tensor]) -> bool:
+    """:func:`normhooks._kernels.gradient_centralization.centralize_unit_`; False where the
+    kernel failed on this machine before writing a gradient (warned once; the kernels are off
+    from then on): the caller then computes the plain formula."""
+    from normhooks._kernels import _multi, gradient_centralization
+
+    try:
+        gradient_centralization.centralize_unit_(grads)
+    except _multi.KernelFailedError as failure:
+        if isinstance(failure.error, torch.OutOfMemoryError):
+            raise failure.error from None
+        _fallback.failed("gradient centralization", failure.error)
+        return False
+    return True
+
+
 @functools.cache
 def _weight_norm() -> ModuleType:
     # Imported at the first call (not with the package: that would import Triton), then
