@@ -72,6 +72,7 @@ from normhooks._step_hook.attach import hooks_on
 from normhooks._step_hook.checks import _SUPPORTED_DTYPES as _SUPPORTED_DTYPES
 from normhooks._step_hook.checks import _USE_FSDP2 as _USE_FSDP2
 from normhooks._step_hook.checks import (
+    all_plain,
     check_dense_grad,
     check_foreach,
     check_not_flattened,
@@ -94,7 +95,6 @@ from normhooks._step_hook.norms import _row_dims as _row_dims
 from normhooks._step_hook.norms import euclidean_norms, row_norms
 from normhooks._step_hook.param_groups import split_param_groups
 from normhooks._step_hook.plan import _DTYPE as _DTYPE
-from normhooks._step_hook.plan import _PLAIN as _PLAIN
 from normhooks._step_hook.plan import _fingerprint as _fingerprint
 from normhooks._step_hook.plan import _GroupPlan as _GroupPlan
 from normhooks._step_hook.plan import _items as _items
@@ -121,6 +121,7 @@ __all__ = [
     "Settings",
     "StepHook",
     "UnitFunction",
+    "all_plain",
     "check_dense_grad",
     "check_foreach",
     "check_not_flattened",
