@@ -35,10 +35,11 @@ gradients are scaled by ``grad_scale``, what it writes must be unscaled, it sets
 value back to the host.
 
 What does not change from step to step (validation, settings and overrides, grouping into
-units) is planned once per state of the param groups and reused while a fingerprint of it
-holds: the param groups and their entries (by identity), each parameter's identity, dtype and
-address; it reads no tensor value. What a step brings (gradients present or not, dense or
-not, new gradient tensors, the lr) is read at each step.
+units) is planned once per state of the param groups and reused while the one rule of
+:class:`~normhooks._step_hook.plan._GroupPlan` holds: the param groups and their entries (by
+identity), each parameter's identity, address and dtype, checked at each step in a few
+C-level passes; it reads no tensor value. What a step brings (gradients present or not,
+dense or not, new gradient tensors, the lr) is read at each step, and nothing of it is kept.
 
 The package, one concern per module, each building on those above it:
 
@@ -99,7 +100,6 @@ from normhooks._step_hook.plan import _fingerprint as _fingerprint
 from normhooks._step_hook.plan import _GroupPlan as _GroupPlan
 from normhooks._step_hook.plan import _items as _items
 from normhooks._step_hook.plan import _namer as _namer
-from normhooks._step_hook.plan import _same_items as _same_items
 from normhooks._step_hook.settings import Lr, S, S_contra, Settings, UnitFunction, setting
 from normhooks._step_hook.units import _bind as _bind
 from normhooks._step_hook.units import _Bound as _Bound

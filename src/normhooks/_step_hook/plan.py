@@ -108,14 +108,6 @@ def _items(group: Mapping[str, Any]) -> dict[str, object]:
     return {key: value for key, value in group.items() if key != "params"}
 
 
-def _same_items(group: Mapping[str, Any], items: Mapping[str, object]) -> bool:
-    """The group's entries other than params are the objects planned (compared by identity:
-    equality would read a tensor lr back to the host)."""
-    if len(group) != len(items) + 1:
-        return False
-    return all(map(operator.is_, map(group.get, items, repeat(_MISSING)), items.values()))
-
-
 def _fingerprint(params: Sequence[Tensor]) -> tuple[tuple[int, ...], tuple[torch.dtype, ...]]:
     """Each parameter's address and dtype: a ``.data =`` that moves it, converts it or swaps
     its storage changes one of them."""
