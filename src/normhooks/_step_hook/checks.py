@@ -2,14 +2,24 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from normhooks import _torch_compat as compat
 
 _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_PLAIN_TYPES = frozenset((Tensor, nn.Parameter))
+
+
+def all_plain(tensors: Iterable[object]) -> bool:
+    """Whether every one of ``tensors`` is a plain ``Tensor`` or ``Parameter`` (no subclass).
+
+    One C-level pass: it runs at every step over every parameter and gradient of a unit.
+    """
+    return _PLAIN_TYPES.issuperset(map(type, tensors))
 
 
 def check_param(param: object, where: str, technique: str) -> Tensor:
