@@ -33,6 +33,7 @@ from normhooks._step_hook import (
     setting,
     split_param_groups,
 )
+from normhooks._step_hook.checks import all_plain
 
 __all__ = ["AdaptiveGradientClipping", "agc_", "agc_param_groups"]
 
@@ -91,7 +92,9 @@ def agc_unit_(
     (shards) supply the 0-/1-D tensors' full norms; the rows of a tensor sharded on dim 0 are
     all local.
     """
-    if norms is None and _kernels.available(params[0]) and compat.plain_eager(*params, *grads):
+    # available() checks the modes (compiling, tracing, ...) and the first tensor; the types
+    # of all of them in one pass each (DTensors, sharded, keep the formula below).
+    if norms is None and _kernels.available(params[0]) and all_plain(params) and all_plain(grads):
         # Two launches whatever the number of tensors, the GradScaler protocol included.
         ratios = _kernels.agc_unit_(
             params,

@@ -22,6 +22,7 @@ from normhooks import _checks, _kernels
 from normhooks import _torch_compat as compat
 from normhooks._precision import HALF_DTYPES, compute_dtype
 from normhooks._step_hook import Settings, StepHook, setting
+from normhooks._step_hook.checks import all_plain
 
 __all__ = ["GradientCentralization", "centralize_gradients_"]
 
@@ -68,7 +69,7 @@ def centralize_unit_(
     # once; every tensor must be plain (DTensors, sharded, keep the formula below).
     if (
         _kernels.available(chosen[0])
-        and compat.plain_tensors(*chosen)
+        and all_plain(chosen)
         and _kernels.centralize_unit_(chosen)  # False: the kernel failed here (warned once)
     ):
         return

@@ -6,12 +6,11 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from normhooks import _torch_compat as compat
 
 _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-_PLAIN_TYPES = frozenset((Tensor, nn.Parameter))
 
 
 def all_plain(tensors: Iterable[object]) -> bool:
@@ -19,7 +18,7 @@ def all_plain(tensors: Iterable[object]) -> bool:
 
     One C-level pass: it runs at every step over every parameter and gradient of a unit.
     """
-    return _PLAIN_TYPES.issuperset(map(type, tensors))
+    return compat.PLAIN_TYPES.issuperset(map(type, tensors))
 
 
 def check_param(param: object, where: str, technique: str) -> Tensor:
