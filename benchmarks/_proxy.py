@@ -141,9 +141,25 @@ DRIVER = NoOpDriver()
 
 def kernel_modules() -> list[ModuleType]:
     """normhooks' kernel modules (imported here)."""
-    from normhooks._kernels import _common, lars, weight_norm, weight_standardization
+    from normhooks._kernels import (
+        _common,
+        _multi,
+        agc,
+        gradient_centralization,
+        lars,
+        weight_norm,
+        weight_standardization,
+    )
 
-    return [_common, lars, weight_norm, weight_standardization]
+    return [
+        _common,
+        _multi,
+        agc,
+        gradient_centralization,
+        lars,
+        weight_norm,
+        weight_standardization,
+    ]
 
 
 def check_compiled_kernels() -> None:

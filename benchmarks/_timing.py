@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 import statistics
 import time
 from collections.abc import Callable, Mapping
@@ -20,11 +21,14 @@ def time_side_by_side(
     device: torch.device,
     repeats: int,
     warmup: int = 2,
+    calls: int = 1,
 ) -> dict[str, float]:
     """Median seconds per call of each candidate, measured in interleaved rounds.
 
     Interleaving puts every candidate under the same machine noise, so their ratios mean
-    more than any absolute time.
+    more than any absolute time. Each sample times ``calls`` calls between two
+    synchronizations, so that on a GPU the host's launches of one call overlap the device's
+    work of the one before, as in a training loop.
     """
     for fn in candidates.values():
         for _ in range(warmup):
@@ -35,9 +39,10 @@ def time_side_by_side(
         for name, fn in candidates.items():
             synchronize(device)
             start = time.perf_counter()
-            fn()
+            for _ in range(calls):
+                fn()
             synchronize(device)
-            samples[name].append(time.perf_counter() - start)
+            samples[name].append((time.perf_counter() - start) / calls)
     return {name: statistics.median(values) for name, values in samples.items()}
 
 
@@ -50,19 +55,21 @@ def interleaved_rounds(
 ) -> dict[str, list[float]]:
     """Seconds per call of each candidate in each of ``rounds`` rounds, host clock only.
 
-    A round times ``calls`` back-to-back calls of every candidate, in an order rotated from
-    one round to the next, so that each candidate meets the machine's slow moments as often
-    as the others and none always follows the same neighbour. For code whose cost is all on
-    the host (nothing to synchronize): the CPU proxy of GPU host time.
+    A round times ``calls`` back-to-back calls of every candidate, in an order shuffled from
+    one round to the next (seeded: the same orders every run), so that each candidate meets
+    the machine's slow moments as often as the others and follows a different one from round
+    to round: a candidate's first call after a heavy one starts with cold caches, and a
+    rotated order would put the same neighbour before it in every round. For code whose cost
+    is all on the host (nothing to synchronize): the CPU proxy of GPU host time.
     """
     for fn in candidates.values():
         for _ in range(warmup):
             fn()
     names = list(candidates)
     samples: dict[str, list[float]] = {name: [] for name in names}
-    for r in range(rounds):
-        shift = r % len(names)
-        for name in names[shift:] + names[:shift]:
+    orders = random.Random(0)
+    for _ in range(rounds):
+        for name in orders.sample(names, len(names)):
             fn = candidates[name]
             start = clock()
             for _ in range(calls):

@@ -3,7 +3,8 @@
 Prints ``(hook + SGD(momentum, foreach=True)) / SGD alone`` for normhooks' AGC, for the
 per-parameter loop AGC is usually written as (timm's ``adaptive_clip_grad`` has that shape;
 the loop here is written from the paper's formula) and for GradientLARS, whose passes over
-the data are the same (two norms and a multiply), measured in one run.
+the data are the same (two norms and a multiply), measured in one run. On CUDA, AGC runs as
+two Triton launches per step; the row "kernels off" is its plain torch formula there.
 
     python benchmarks/agc.py [--device cuda] [--repeats 15]
 """
@@ -13,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from _hooks import Step, after, hooked, optimizer_for, run
-from normhooks import AdaptiveGradientClipping, GradientLARS
+from normhooks import AdaptiveGradientClipping, GradientLARS, set_kernels_enabled
 
 CLIPPING = 0.01
 EPS = 1e-3
@@ -33,17 +34,31 @@ def per_parameter_agc_(params: list[torch.Tensor]) -> None:
         grad.copy_(torch.where(g_norm < max_norm, grad, clipped))
 
 
+def kernels_off(step: Step) -> Step:
+    """``step`` with normhooks' kernels switched off: the plain torch formula."""
+
+    def plain() -> None:
+        with set_kernels_enabled(False):
+            step()
+
+    return plain
+
+
 def candidates(shapes: list[list[int]], device: torch.device) -> dict[str, Step]:
     def sgd() -> torch.optim.Optimizer:
         return optimizer_for(shapes, device, grad_scale=GRAD_SCALE)
 
-    return {
+    steps = {
         "SGD alone": sgd().step,
         "SGD alone, again (noise)": sgd().step,
         "AdaptiveGradientClipping + SGD": hooked(sgd(), AdaptiveGradientClipping(CLIPPING, EPS)),
         "per-parameter loop + SGD": after(per_parameter_agc_, sgd()),
         "GradientLARS + SGD (the peer hook)": hooked(sgd(), GradientLARS()),
     }
+    if device.type == "cuda":
+        agc = hooked(sgd(), AdaptiveGradientClipping(CLIPPING, EPS))
+        steps["AdaptiveGradientClipping + SGD, kernels off"] = kernels_off(agc)
+    return steps
 
 
 if __name__ == "__main__":

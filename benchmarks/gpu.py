@@ -7,10 +7,15 @@ prints its error and the next one runs; the exit status is 1 if anything failed.
 1. Kernels alone: normhooks' Triton kernels called directly against the plain torch formula
    and the peers' formulations (weight norm and weight standardization forward + backward
    over ResNet-18's weights).
-2. Gradient hooks: the LARS kernel alone against a per-parameter loop; in an optimizer step,
-   SGD(momentum, foreach) alone, + GradientLARS, + the loop, + the kernel called directly,
-   + AdaptiveGradientClipping; AdamW(foreach) alone and + TrustRatio; on the parameter sets
-   of benchmarks/shapes.
+2. Gradient hooks, on ResNet-50's and ViT-B/16's parameter shapes (benchmarks/shapes, at
+   full size): the LARS kernel alone against a per-parameter loop; then the rows
+   benchmarks/host.py times on the proxy (``_hooks.hook_rows``): the optimizer's step alone
+   (SGD(momentum, foreach), AdamW(foreach)) and its floors (empty step hooks; those hooks
+   launching two empty Triton kernels), each of GradientLARS, AdaptiveGradientClipping,
+   GradientCentralization and TrustRatio beside its peers (pytorch-optimizer's LARS, agc,
+   centralize_gradient and Lamb; timm's Lars, adaptive_clip_grad and Lamb where timm
+   imports) and a loop written by hand; each sample 5 steps between two synchronizations;
+   then one verdict line per hook against issue 26's targets.
 3. Models, eager train step (forward, cross-entropy backward, SGD): ResNet-18 with GroupNorm
    at batch 32 and 256 and a 2-layer LSTM. Candidates: plain; normhooks' weight
    standardization and the batch_norm formulation timm's StdConv2d uses; normhooks'
@@ -25,10 +30,13 @@ prints its error and the next one runs; the exit status is 1 if anything failed.
    budget); those left out are named.
 
 The budget (240 s from the start of main; 120 with --quick) is what keeps a run inside a
-5-minute GPU slot: sections 1-4 are expected to take about a minute on an H200 (not measured
-yet), and section 5 compiles while the rest lasts.
+5-minute GPU slot: sections 1-4 are expected to take a minute or two on an H200 (not measured
+yet; the host proxy's hooks tables, with their per-tensor loops over 1,200 tensors, are its
+longest part), and section 5 compiles while the rest lasts. ``--only hooks host`` runs the
+gradient hooks on the GPU and on its host's proxy alone.
 
     python3 benchmarks/gpu.py [--repeats 10] [--budget 240] [--quick] [--no-compile]
+                              [--only kernels hooks models host compile]
     python3 benchmarks/gpu.py --smoke   # no GPU: every section on tiny CPU models, the
                                         # kernels through the host proxy (nothing is timed)
 """
@@ -53,6 +61,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.utils.parametrizations import weight_norm as torch_weight_norm
 
+import _hooks
 from _models import (
     LSTMModel,
     ResNet18,
@@ -62,9 +71,6 @@ from _models import (
 )
 from _timing import print_ratios, synchronize, time_side_by_side
 from normhooks import (
-    AdaptiveGradientClipping,
-    GradientLARS,
-    TrustRatio,
     _kernels,
     apply_weight_norm,
     apply_weight_standardization,
@@ -73,11 +79,10 @@ from normhooks import weight_norm as normhooks_weight_norm
 from normhooks.weight_norm import _weight_norm as plain_weight_norm
 
 SHAPES = Path(__file__).resolve().parent / "shapes"
-SHAPE_SETS = {
-    "ResNet-50": "resnet50_shapes.json",
-    "ViT-B/16": "vitb16_shapes.json",
-    "1,200 small tensors": "many_small_shapes.json",
-}
+# The gradient hooks' sets: those of issue 26's targets (host.py adds many small tensors).
+SHAPE_SETS = {"ResNet-50": "resnet50_shapes.json", "ViT-B/16": "vitb16_shapes.json"}
+# Optimizer steps per sample in the hooks' tables.
+HOOK_STEPS = 5
 WEIGHT_DECAY = 1e-4
 WS_EPS = 1e-5
 WN_EPS = 1e-12
@@ -114,8 +119,10 @@ class Run:
             self.failures.append(title)
         print(f"[{time.perf_counter() - began:.0f} s; {self.elapsed():.0f} s in all]", flush=True)
 
-    def measure(self, title: str, candidates: dict[str, Callable[[], object]]) -> None:
-        """Times the candidates that run; one that fails says so, is recorded and left out."""
+    def working(
+        self, title: str, candidates: dict[str, Callable[[], object]]
+    ) -> dict[str, Callable[[], object]]:
+        """The candidates that run once; one that fails says so, is recorded and left out."""
         working = {}
         for name, fn in candidates.items():
             try:
@@ -125,6 +132,11 @@ class Run:
             except Exception as error:  # a benchmark reports, it does not stop at one failure
                 print(f"  [{title}] {name}: failed, {type(error).__name__}: {error}")
                 self.failures.append(f"{title}: {name}")
+        return working
+
+    def measure(self, title: str, candidates: dict[str, Callable[[], object]]) -> None:
+        """Times the candidates that run, against the first of them."""
+        working = self.working(title, candidates)
         if not working:
             return
         times = time_side_by_side(working, self.device, self.repeats)
@@ -428,38 +440,16 @@ def lars_kernel_(params: list[nn.Parameter], grads: list[Tensor]) -> None:
     )
 
 
-def sgd_step(run: Run, shapes: list[list[int]], extra: str) -> Callable[[], None]:
-    params = parameter_set(run, shapes)
-    grads = [p.grad for p in params]
-    optimizer = torch.optim.SGD(params, lr=0.1, momentum=0.9, foreach=True)
-    optimizer.step()  # momentum buffers outside the timed region
-    if extra == "GradientLARS":
-        GradientLARS(weight_decay=WEIGHT_DECAY).attach(optimizer)
-    elif extra == "AGC":
-        AdaptiveGradientClipping().attach(optimizer)
-
-    def step() -> None:
-        if extra == "loop":
-            naive_lars_(params, WEIGHT_DECAY)
-        elif extra == "kernel":
-            lars_kernel_(params, grads)  # type: ignore[arg-type]
-        optimizer.step()
-
-    return step
-
-
-def adamw_step(run: Run, shapes: list[list[int]], trust_ratio: bool) -> Callable[[], object]:
-    optimizer = torch.optim.AdamW(
-        parameter_set(run, shapes), lr=1e-3, weight_decay=1e-2, foreach=True
-    )
-    optimizer.step()  # the moments outside the timed region
-    if trust_ratio:
-        TrustRatio().attach(optimizer)
-    return optimizer.step
-
-
 def gradient_hooks(run: Run) -> None:
-    print("float32; LARS weight decay 1e-4, AGC clipping 0.01")
+    # Imported here, once the interpreter is off in a smoke run: its kernel must compile.
+    import _floor
+
+    print(
+        f"float32; LARS weight decay {_hooks.LARS_WEIGHT_DECAY:g}, AGC clipping "
+        f"{_hooks.AGC_CLIPPING:g}; {HOOK_STEPS} steps per sample"
+    )
+    launch = _floor.launcher(run.device)
+    ratios = {}
     for title, file in SHAPE_SETS.items():
         shapes = json.loads((SHAPES / file).read_text())
         params = parameter_set(run, shapes)
@@ -475,25 +465,20 @@ def gradient_hooks(run: Run) -> None:
             },
         )
         del params, grads
-        run.measure(
-            f"{title}: SGD(momentum, foreach) step",
-            {
-                "SGD alone": sgd_step(run, shapes, ""),
-                "SGD alone, again (noise)": sgd_step(run, shapes, ""),
-                "+ GradientLARS": sgd_step(run, shapes, "GradientLARS"),
-                "+ per-parameter LARS loop": sgd_step(run, shapes, "loop"),
-                "+ LARS kernel called directly": sgd_step(run, shapes, "kernel"),
-                "+ AdaptiveGradientClipping": sgd_step(run, shapes, "AGC"),
-            },
-        )
-        run.measure(
-            f"{title}: AdamW(foreach) step",
-            {
-                "AdamW alone": adamw_step(run, shapes, False),
-                "AdamW alone, again (noise)": adamw_step(run, shapes, False),
-                "+ TrustRatio": adamw_step(run, shapes, True),
-            },
-        )
+        table = f"{title}: optimizer step, each row against its optimizer alone"
+        hooks = _hooks.hook_rows(functools.partial(parameter_set, run, shapes), launch)
+        working = run.working(table, {name: row.step for name, row in hooks.rows.items()})
+        times = time_side_by_side(working, run.device, run.repeats, calls=HOOK_STEPS)
+        ratios[title] = _hooks.print_hook_table(table, hooks.rows, times)
+        for note in hooks.notes:
+            print(f"  ({note})")
+        del hooks, working
+        if run.device.type == "cuda":
+            torch.cuda.empty_cache()  # the next set's tensors where these were
+    where = "this GPU" if run.device.type == "cuda" else "a smoke run (not a measurement)"
+    print(f"\nIssue 26's targets on {where}:")
+    for line in _hooks.verdicts(ratios):
+        print(f"  {line}")
 
 
 def host_proxy(run: Run) -> None:
@@ -519,6 +504,9 @@ def kernels_for(run: Run) -> Iterator[None]:
         yield
 
 
+SECTIONS = ("kernels", "hooks", "models", "host", "compile")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=10)
@@ -531,6 +519,9 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="batch 32 only, 5 repeats")
     parser.add_argument("--no-compile", action="store_true", help="skip the compiled section")
     parser.add_argument("--smoke", action="store_true", help="no GPU: check that every part runs")
+    parser.add_argument(
+        "--only", nargs="+", choices=SECTIONS, default=SECTIONS, help="the sections to run"
+    )
     args = parser.parse_args()
     if args.smoke:
         # Before anything imports normhooks' kernels: they must compile, not be interpreted.
@@ -556,13 +547,17 @@ def main() -> int:
         f"of {run.repeats} interleaved repeats; budget {run.budget:.0f} s"
     )
     with kernels_for(run):
-        run.section("1. Kernels alone", kernels_alone)
-        run.section("2. Gradient hooks", gradient_hooks)
-        run.section(
-            "3. Models, eager: train step (forward, cross-entropy backward, SGD)", eager_models
-        )
-    run.section("4. Host proxy on this machine's CPU (benchmarks/host.py)", host_proxy)
-    if run.compile_modes:
+        if "kernels" in args.only:
+            run.section("1. Kernels alone", kernels_alone)
+        if "hooks" in args.only:
+            run.section("2. Gradient hooks", gradient_hooks)
+        if "models" in args.only:
+            run.section(
+                "3. Models, eager: train step (forward, cross-entropy backward, SGD)", eager_models
+            )
+    if "host" in args.only:
+        run.section("4. Host proxy on this machine's CPU (benchmarks/host.py)", host_proxy)
+    if run.compile_modes and "compile" in args.only:
         with kernels_for(run):
             run.section("5. Models under torch.compile: train step", compiled_models)
     print(f"\ntotal {run.elapsed():.0f} s")

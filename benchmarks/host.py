@@ -16,9 +16,16 @@ Sections:
   layer's own kernels), torch's parametrizations.weight_norm, weight standardization as
   timm's batch_norm formulation, and the floors (an unchanged parametrization; one that
   multiplies by 1.0);
-- hooks: GradientLARS and AdaptiveGradientClipping on SGD(momentum, foreach), TrustRatio on
-  AdamW(foreach), on the parameter shapes of benchmarks/shapes/ with every dimension capped
-  (the tensors' number and ranks are the model's, their compute negligible).
+- hooks: the rows of ``_hooks.hook_rows``, which benchmarks/gpu.py times on a GPU too, on the
+  parameter shapes of benchmarks/shapes/ with every dimension capped (the tensors' number
+  and ranks are the model's, their compute negligible), one table per shape set, grouped
+  per hook, each row against its optimizer alone: SGD(momentum, foreach) and AdamW(foreach)
+  alone and their floors (empty step hooks; those hooks launching two empty Triton kernels,
+  the least a kernel of a hook costs); GradientLARS, AdaptiveGradientClipping,
+  GradientCentralization (on SGD) and TrustRatio (on AdamW), each beside its peers
+  (pytorch-optimizer's LARS, agc, centralize_gradient and Lamb; timm's Lars,
+  adaptive_clip_grad and Lamb where timm imports) and the loop a user writes by hand in a
+  step pre-hook; then one line per hook against issue 26's target on ResNet-50 and ViT-B/16.
 
 Each row gives the host time per step, its ratio to the baseline, the cost per layer or per
 tensor, and the counts per step: aten ops reaching the backends (of which allocations and
@@ -48,6 +55,7 @@ import triton
 from torch import Tensor, nn
 from torch.nn.utils.parametrizations import weight_norm as torch_weight_norm
 
+import _hooks
 import _proxy
 from _counts import Counts, count
 from _models import (
@@ -60,9 +68,6 @@ from _models import (
 )
 from _timing import interleaved_rounds
 from normhooks import (
-    AdaptiveGradientClipping,
-    GradientLARS,
-    TrustRatio,
     apply_weight_norm,
     apply_weight_standardization,
     weight_norm,
@@ -92,6 +97,7 @@ class Candidate:
     counted: Callable[[], Tensor | None]  # the part that is counted (returns a loss, or None)
     baseline: str
     units: int
+    group: str = ""  # the heading it is printed under
 
 
 @dataclass
@@ -160,34 +166,27 @@ def parameters(shapes: Sequence[Sequence[int]]) -> list[nn.Parameter]:
     return params
 
 
-def hook_candidates(shapes: Sequence[Sequence[int]]) -> dict[str, Candidate]:
-    def sgd(hook: Callable[[torch.optim.Optimizer], object] | None) -> Callable[[], None]:
-        optimizer = torch.optim.SGD(parameters(shapes), lr=0.1, momentum=0.9, foreach=True)
-        optimizer.step()  # the momentum buffers, outside the timed steps
-        if hook is not None:
-            hook(optimizer)
-        return optimizer.step
+def hook_candidates(
+    shapes: Sequence[Sequence[int]],
+) -> tuple[dict[str, Candidate], _hooks.HookTable]:
+    """The rows of ``_hooks.hook_rows`` on ``shapes`` capped, and the table they come from
+    (its notes; what must live as long as they do)."""
+    # Imported once the interpreter is off (main): its kernel must compile, not be interpreted.
+    import _floor
 
-    def adamw(hook: Callable[[torch.optim.Optimizer], object] | None) -> Callable[[], None]:
-        optimizer = torch.optim.AdamW(parameters(shapes), lr=1e-3, weight_decay=1e-2, foreach=True)
-        optimizer.step()
-        if hook is not None:
-            hook(optimizer)
-        return optimizer.step
-
-    sgd_alone, adamw_alone, tensors = "SGD(foreach) alone", "AdamW(foreach) alone", len(shapes)
-    rows = {
-        sgd_alone: (sgd(None), sgd_alone, 0),
-        "SGD(foreach) alone, again (noise)": (sgd(None), sgd_alone, 0),
-        "+ GradientLARS (kernel path)": (sgd(GradientLARS().attach), sgd_alone, tensors),
-        "+ AdaptiveGradientClipping": (sgd(AdaptiveGradientClipping().attach), sgd_alone, tensors),
-        adamw_alone: (adamw(None), adamw_alone, 0),
-        "+ TrustRatio": (adamw(TrustRatio().attach), adamw_alone, tensors),
-    }
-    return {name: Candidate(step, step, base, units) for name, (step, base, units) in rows.items()}
+    table = _hooks.hook_rows(lambda: parameters(shapes), _floor.launcher(torch.device("cpu")))
+    candidates = {}
+    for name, row in table.rows.items():
+        units = 0 if name in (row.baseline, _hooks.NOISE) else len(shapes)
+        candidates[name] = Candidate(row.step, row.step, row.baseline, units, row.group)
+    return candidates, table
 
 
-def report(title: str, candidates: dict[str, Candidate], timing: Rounds, unit: str) -> None:
+def report(
+    title: str, candidates: dict[str, Candidate], timing: Rounds, unit: str
+) -> dict[str, float]:
+    """Prints the table; returns each row's median ratio to its baseline."""
+
     def launches() -> int:
         return sum(_proxy.DRIVER.launches.values())
 
@@ -202,29 +201,38 @@ def report(title: str, candidates: dict[str, Candidate], timing: Rounds, unit: s
         clock=time.thread_time,
     )
     print(f"\n{title}")
-    width = max(len(name) for name in candidates)
+    indent = "  " if any(c.group for c in candidates.values()) else ""
+    width = max(len(name) for name in candidates) + len(indent)
     print(
         f"  {'':<{width}}  {'host/step':>10}  {'ratio':>6}  {'rounds':>11}  {'added':>9}"
         f"  {'per ' + unit:>10}  {unit + 's':>7}  {'ops':>5}  {'allocs':>6}  {'views':>5}"
         f"  {'launches':>8}  {'nodes':>5}  {'Python':>6}"
     )
+    ratios: dict[str, float] = {}
+    group = ""
     for name, candidate in candidates.items():
+        if candidate.group != group:
+            group = candidate.group
+            print(f"  {group}")
         own, base = samples[name], samples[candidate.baseline]
         # Each round's candidate against its baseline of the same round, measured a moment
         # apart: the load of a shared machine drifts between rounds more than within one.
-        ratios = sorted(v / b for v, b in zip(own, base, strict=True))
-        spread = f"{ratios[len(ratios) // 4]:.2f}-{ratios[(3 * len(ratios)) // 4]:.2f}"
+        round_ratios = sorted(v / b for v, b in zip(own, base, strict=True))
+        low, high = round_ratios[len(own) // 4], round_ratios[(3 * len(own)) // 4]
+        spread = f"{low:.2f}-{high:.2f}"
         added = statistics.median(v - b for v, b in zip(own, base, strict=True))
         added_text = "-" if name == candidate.baseline else f"{added * 1e6:.0f} us"
         per_unit = f"{added / candidate.units * 1e6:.1f} us" if candidate.units else "-"
+        ratios[name] = statistics.median(round_ratios)
         c = counts[name]
         print(
-            f"  {name:<{width}}  {statistics.median(own) * 1e3:7.3f} ms"
-            f"  {statistics.median(ratios):5.2f}x  {spread:>11}  {added_text:>9}"
+            f"  {indent + name:<{width}}  {statistics.median(own) * 1e3:7.3f} ms"
+            f"  {ratios[name]:5.2f}x  {spread:>11}  {added_text:>9}"
             f"  {per_unit:>10}  {candidate.units or '-':>7}  {c.ops:>5}  {c.allocations:>6}"
             f"  {c.views:>5}  {c.launches:>8}  {c.nodes or '-':>5}"
             f"  {c.python_nodes if c.nodes else '-':>6}"
         )
+    return ratios
 
 
 def profile(candidates: dict[str, Candidate], wanted: str, calls: int) -> None:
@@ -295,13 +303,24 @@ def measure(args: argparse.Namespace, timing: Rounds) -> None:
                 profile(candidates, args.profile, timing.calls * timing.rounds)
         if args.only in (None, "hooks"):
             hooks = Rounds(timing.rounds, timing.calls * 4, timing.warmup)
-            for title, file in SHAPE_SETS.items():
+            ratios = {}
+            for name, file in SHAPE_SETS.items():
                 shapes = json.loads((SHAPES / file).read_text())
-                candidates = hook_candidates(shapes)
-                title = f"{title} ({len(shapes)} tensors, dims capped at {SHAPE_CAP}): step"
-                report(title, candidates, hooks, "tensor")
+                candidates, table = hook_candidates(shapes)
+                title = (
+                    f"{name} ({len(shapes)} tensors, dims capped at {SHAPE_CAP}): optimizer "
+                    "step; each row against its optimizer alone"
+                )
+                ratios[name] = report(title, candidates, hooks, "tensor")
+                for note in table.notes:
+                    print(f"  ({note})")
                 if args.profile:
                     profile(candidates, args.profile, hooks.calls * hooks.rounds)
+                del candidates, table
+            smoke = " (a smoke run: one step, not a measurement)" if args.smoke else ""
+            print(f"\nIssue 26's targets on the proxy{smoke}:")
+            for line in _hooks.verdicts(ratios):
+                print(f"  {line}")
 
 
 if __name__ == "__main__":

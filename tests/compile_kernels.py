@@ -21,7 +21,8 @@ import triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from normhooks._kernels import lars
+from normhooks._kernels import agc, lars
+from normhooks._kernels import gradient_centralization as gc
 from normhooks._kernels import trust_ratio as tr
 from normhooks._kernels import weight_norm as wn
 from normhooks._kernels import weight_standardization as ws
@@ -137,6 +138,43 @@ def lars_kernels() -> None:
         )
 
 
+def agc_kernels() -> None:
+    types = {**CHUNK_TABLE, "w_ptrs": "*i64", "g_ptrs": "*i64", "clipping": "i64", "eps": "i64"}
+    sizes = {"block": 1024}
+    for fn, names, extra in (
+        (agc._squares_and_factors, ("scaled",), {"partials_block": 128}),
+        (agc._clip, ("scaled", "flag_overflow"), {}),
+    ):
+        for dtype, setting in sweep(names):
+            a = "*fp64" if dtype == "fp64" else "*fp32"
+            pointers = {"scratch": a, "maxima": a, "grad_scale": "*fp32", "found_inf": "*fp32"}
+            constants = {"dtype": DTYPES[dtype], "acc": accumulator(dtype), **sizes, **extra}
+            if fn is agc._clip:
+                constants["ratio_bits"] = tl.int64 if dtype == "fp64" else tl.int32
+            kernel = build(fn, {**types, **pointers}, {**constants, **setting})
+            # Offsets come from the int64 table: nothing may narrow them.
+            check_wide(kernel, f"agc.{fn.__name__}")
+        build(
+            fn,
+            {**types, **pointers},
+            {**constants, **dict.fromkeys(names, True)},
+            aligned=False,
+        )
+
+
+def gc_kernels() -> None:
+    """Both of gradient centralization's kernels in every dtype, aligned or not: every offset
+    comes from the int64 table."""
+    for dtype in DTYPES:
+        a = "*fp64" if dtype == "fp64" else "*fp32"
+        types = {**CHUNK_TABLE, "g_ptrs": "*i64", "partials": a, "means": a, "first": "i32"}
+        constants = {"dtype": DTYPES[dtype], "acc": accumulator(dtype), "block": 1024}
+        for fn, extra in ((gc._centralize, {"partials_block": 128}), (gc._subtract_means, {})):
+            for aligned in (True, False):
+                kernel = build(fn, types, {**constants, **extra}, aligned=aligned)
+                check_wide(kernel, f"gradient_centralization.{fn.__name__} ({dtype})")
+
+
 class CheckedKernel(Kernel):
     """A :class:`Kernel` that, after each launch, asks Triton's own binder which compiled
     kernel these arguments take, and fails unless it is the one the caller's cache holds."""
@@ -226,6 +264,66 @@ def lars_direct_launches() -> None:
                     calls += 1
     if any(kernel.hits < calls // 2 for kernel in checked):
         raise AssertionError(f"direct launches checked: {[k.hits for k in checked]} of {calls}")
+
+
+def agc_direct_launches() -> None:
+    """Every call signature of AGC's kernels launches, from its cache, the compiled kernel
+    Triton's binder picks for its arguments (as :func:`lars_direct_launches`)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import _proxy
+
+    def view(dtype: torch.dtype, aligned: bool) -> torch.Tensor:
+        buffer = torch.ones(16, dtype=dtype)
+        return buffer[16 // buffer.element_size() if aligned else 1].view(1)
+
+    settings: list[dict[str, Any]] = [
+        {},
+        {"eps": 0.0},
+        {"clipping": 5e-324, "eps": 1.0},
+        {"grad_scale": view(torch.float32, True)},
+        {"grad_scale": view(torch.float32, False)},
+        {"grad_scale": view(torch.float64, True)},
+        {"grad_scale": view(torch.float32, True), "found_inf": view(torch.float32, True)},
+        {"grad_scale": view(torch.float32, True), "found_inf": view(torch.float32, False)},
+    ]
+    checked = CheckedKernel(agc._SQUARES_AND_FACTORS), CheckedKernel(agc._CLIP)
+    agc._SQUARES_AND_FACTORS, agc._CLIP = checked
+    calls = 0
+    with _proxy.cuda_path_on_cpu():
+        for dtype in (torch.float32, torch.float64, torch.bfloat16):
+            params = [torch.ones(3, dtype=dtype), torch.ones(2, 5, dtype=dtype)]
+            grads = [torch.ones_like(p) for p in params]
+            for setting in settings:
+                arguments: dict[str, Any] = {"clipping": 0.01, "eps": 1e-3}
+                arguments |= {"grad_scale": None, "found_inf": None}
+                for _ in range(2):
+                    agc.agc_unit_(params, grads, **(arguments | setting))
+                    calls += 1
+    if any(kernel.hits < calls // 2 for kernel in checked):
+        raise AssertionError(f"direct launches checked: {[k.hits for k in checked]} of {calls}")
+
+
+def gc_direct_launches() -> None:
+    """Every call signature of gradient centralization's kernels launches, from its cache,
+    the compiled kernel Triton's binder picks (see :func:`lars_direct_launches`): each dtype,
+    with rows of one chunk only (one launch, partials and means one kept tensor) and with a
+    row of several (two launches, both fresh)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import _proxy
+
+    checked = CheckedKernel(gc._CENTRALIZE), CheckedKernel(gc._SUBTRACT_MEANS)
+    gc._CENTRALIZE, gc._SUBTRACT_MEANS = checked
+    with _proxy.cuda_path_on_cpu():
+        for dtype in (torch.float32, torch.float64, torch.float16, torch.bfloat16):
+            for shapes in ([(3, 4), (2, 5, 3, 3)], [(3, 4), (2, gc._CHUNK + 1)]):
+                grads = [torch.ones(shape, dtype=dtype) for shape in shapes]
+                # Twice: the second call of a signature finds its kernels cached.
+                for _ in range(2):
+                    gc.centralize_unit_(grads)
+    # Each kernel compiles once per dtype (the pointers are aligned alike), then is found: 16
+    # first launches, 8 second ones (the calls with a long row).
+    if [kernel.hits for kernel in checked] != [16 - 4, 8 - 4]:
+        raise AssertionError(f"direct launches checked: {[k.hits for k in checked]}")
 
 
 class RowKernel(NamedTuple):
@@ -386,6 +484,10 @@ def main() -> None:
     lars_kernels()
     trust_ratio_kernels()
     lars_direct_launches()
+    agc_kernels()
+    agc_direct_launches()
+    gc_kernels()
+    gc_direct_launches()
     row_kernels()
     ones_kernels()
     fused_kernels()

@@ -21,6 +21,8 @@ from normhooks import (
     agc_param_groups,
     apply_weight_standardization,
 )
+from normhooks._step_hook import euclidean_norms
+from normhooks.agc import AGCSettings, agc_unit_
 
 
 def reference(
@@ -214,6 +216,61 @@ def test_non_finite_gradients_stay_non_finite(bad: float) -> None:
     agc_([weight])
     assert not torch.isfinite(weight.grad[1]).all()
     assert torch.isfinite(weight.grad[[0, 2]]).all()
+
+
+# --- scaled gradients (GradScaler's fused protocol), the plain path -------------------------
+
+
+def _unit(
+    dtype: torch.dtype, scale: float
+) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
+    """Parameters, their true gradients and those gradients times ``scale``."""
+    params = [torch.randn(shape).to(dtype) for shape in [(3, 5), (4,), (), (2, 3, 2)]]
+    true = [(0.05 * torch.randn(p.shape)).to(dtype) for p in params]
+    return params, true, [(g.double() * scale).to(dtype) for g in true]
+
+
+@pytest.mark.parametrize("sharded", [False, True], ids=["whole", "norms-given"])
+@pytest.mark.parametrize(
+    "dtype", [torch.float32, torch.float16, torch.bfloat16], ids=["float32", "float16", "bfloat16"]
+)
+def test_scaled_gradients_on_the_plain_path_give_the_unscaled_result(
+    dtype: torch.dtype, sharded: bool
+) -> None:
+    """AGC takes GradScaler's scaled gradients itself (as its kernel does): without the kernel
+    it unscales them as the step hook would, reads its shards' whole norms (of the scaled
+    gradients) divided by the scale, and writes the unscaled result."""
+    params, true, scaled = _unit(dtype, 1024.0)
+    settings = AGCSettings._checked({"clipping": 0.01, "eps": 1e-3})
+
+    def norms(grads: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor] | None:
+        if not sharded:
+            return None
+        return euclidean_norms(params), euclidean_norms(grads)
+
+    want = agc_unit_(params, true, settings, None, norms=norms(true), foreach=None)
+    found_inf = torch.zeros(())
+    got = agc_unit_(
+        params, scaled, settings, None, norms=norms(scaled), foreach=None,
+        grad_scale=torch.tensor(1024.0), found_inf=found_inf,
+    )  # fmt: skip
+    torch.testing.assert_close(got, want)
+    for grad, expected in zip(scaled, true, strict=True):
+        torch.testing.assert_close(grad, expected)
+    assert found_inf.item() == 0.0
+
+
+@pytest.mark.parametrize("bad", [math.inf, math.nan], ids=["inf", "nan"])
+def test_a_non_finite_scaled_gradient_raises_the_flag_on_the_plain_path(bad: float) -> None:
+    params, _, scaled = _unit(torch.float32, 8.0)
+    scaled[0][1, 2] = bad
+    found_inf = torch.zeros(())
+    settings = AGCSettings._checked({"clipping": 0.01, "eps": 1e-3})
+    agc_unit_(
+        params, scaled, settings, None, norms=None, foreach=None,
+        grad_scale=torch.tensor(8.0), found_inf=found_inf,
+    )  # fmt: skip
+    assert found_inf.item() == 1.0
 
 
 # --- the hook ------------------------------------------------------------------------------

@@ -10,8 +10,10 @@ conftest turns the interpreter on without a GPU.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
+import re
 import subprocess
 import sys
 from collections.abc import Callable
@@ -235,10 +237,11 @@ def test_the_proxy_refuses_interpreted_kernels() -> None:
     assert "imported with TRITON_INTERPRET=1" in result.stderr
 
 
-def test_the_gpu_benchmark_and_the_host_proxy_run_on_the_cpu() -> None:
+@pytest.fixture(scope="module")
+def smoke_run() -> subprocess.CompletedProcess[str]:
     """``gpu.py --smoke``: every section of the GPU suite on tiny CPU models, the kernels under
     the proxy, ``host.py --smoke`` as its section 4, the compiled one with dynamo alone."""
-    result = subprocess.run(
+    return subprocess.run(
         [sys.executable, str(BENCHMARKS / "gpu.py"), "--smoke"],
         env=child_env(),
         capture_output=True,
@@ -246,12 +249,113 @@ def test_the_gpu_benchmark_and_the_host_proxy_run_on_the_cpu() -> None:
         check=False,
         timeout=600,
     )
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr
+
+
+def section(output: str, number: int) -> str:
+    """The text of section ``number`` of a gpu.py run."""
+    start = output.index(f"\n== {number}.")
+    end = output.find("\n== ", start + 1)
+    return output[start : end if end >= 0 else len(output)]
+
+
+def test_the_gpu_benchmark_and_the_host_proxy_run_on_the_cpu(
+    smoke_run: subprocess.CompletedProcess[str],
+) -> None:
+    assert smoke_run.returncode == 0, smoke_run.stdout[-4000:] + smoke_run.stderr
     rows = (
         "normhooks kernel (exact, eps)",  # 1. kernels alone
-        "+ LARS kernel called directly",  # 2. gradient hooks
+        "normhooks kernel (2 launches)",  # 2. gradient hooks
         "multiply-by-1 parametrization (floor)",  # 3. eager models
         "normhooks apply_weight_norm (fused)",  # 4. host.py
         "compiled normhooks weight standardization",  # 5. torch.compile
     )
-    assert [row for row in rows if row not in result.stdout] == []
+    assert [row for row in rows if row not in smoke_run.stdout] == []
+
+
+HOOK_ROWS = [
+    "SGD alone",
+    "SGD alone, again (noise)",
+    "SGD + an empty step pre-hook (floor)",
+    "SGD + pre-hook launching 2 empty kernels (floor)",
+    "SGD + normhooks GradientLARS",
+    "SGD + LARS by hand (per-tensor loop)",
+    "SGD + normhooks AdaptiveGradientClipping",
+    "SGD + AGC by hand (per-tensor loop)",
+    "SGD + normhooks GradientCentralization",
+    "SGD + GC by hand (per-tensor loop)",
+    "AdamW alone",
+    "AdamW + empty step pre- and post-hooks (floor)",
+    "AdamW + hooks launching 1 empty kernel each (floor)",
+    "AdamW + normhooks TrustRatio",
+    "AdamW + trust ratio by hand (per-tensor loop)",
+]
+# How each peer's rows begin: an optimizer's name ends in "(foreach)" or "(per tensor)", by
+# whether the installed version has a foreach mode.
+PEER_ROWS = {
+    "pytorch_optimizer": [
+        "pytorch-optimizer LARS (",
+        "SGD + pytorch-optimizer agc (per tensor)",
+        "SGD + pytorch-optimizer centralize_gradient (stacked per shape)",
+        "pytorch-optimizer Lamb (",
+    ],
+    "timm": ["timm Lars (", "SGD + timm adaptive_clip_grad", "timm Lamb ("],
+}
+# gpu.py's hooks section and host.py's (run as gpu.py's section 4).
+HOOK_SECTIONS = {"gpu": 2, "host": 4}
+
+
+def timed_rows(text: str) -> list[str]:
+    """The names of the rows of ``text`` that carry a time."""
+    return [m.group(1) for m in re.finditer(r"^ +(\S.*?) +[\d.]+ ms ", text, re.MULTILINE)]
+
+
+@pytest.mark.parametrize("where", HOOK_SECTIONS)
+@pytest.mark.parametrize("row", HOOK_ROWS)
+def test_every_hook_row_is_timed_on_both_shape_sets(
+    smoke_run: subprocess.CompletedProcess[str], where: str, row: str
+) -> None:
+    text = section(smoke_run.stdout, HOOK_SECTIONS[where])
+    # ResNet-50 and ViT-B/16 in gpu.py; host.py adds 1,200 small tensors.
+    assert timed_rows(text).count(row) >= 2
+
+
+@functools.cache
+def _importable(module: str) -> bool:
+    code = f"import {module}"
+    result = subprocess.run([sys.executable, "-c", code], env=child_env(), capture_output=True)
+    return result.returncode == 0
+
+
+@pytest.mark.parametrize("where", HOOK_SECTIONS)
+@pytest.mark.parametrize("peer", PEER_ROWS)
+def test_each_peer_is_timed_where_it_imports_and_said_left_out_where_not(
+    smoke_run: subprocess.CompletedProcess[str], where: str, peer: str
+) -> None:
+    text = section(smoke_run.stdout, HOOK_SECTIONS[where])
+    timed = {row: sum(name.startswith(row) for name in timed_rows(text)) for row in PEER_ROWS[peer]}
+    if _importable(peer):
+        assert [row for row, count in timed.items() if count < 2] == []
+    else:
+        assert [row for row, count in timed.items() if count] == []
+        assert f"({peer.replace('_', '-')} rows left out" in text
+
+
+@pytest.mark.parametrize("where", HOOK_SECTIONS)
+@pytest.mark.parametrize(
+    ("hook", "baseline"),
+    [
+        ("GradientLARS", "SGD"),
+        ("AdaptiveGradientClipping", "SGD"),
+        ("TrustRatio", "AdamW"),
+        ("GradientCentralization", "SGD"),
+    ],
+)
+def test_a_verdict_line_per_hook_on_both_target_sets(
+    smoke_run: subprocess.CompletedProcess[str], where: str, hook: str, baseline: str
+) -> None:
+    text = section(smoke_run.stdout, HOOK_SECTIONS[where])
+    line = (
+        rf"^  {hook} <= \d\.\d\dx {baseline} alone: ResNet-50 [\d.]+x, ViT-B/16 [\d.]+x: "
+        r"(met|not met)$"
+    )
+    assert len(re.findall(line, text, re.MULTILINE)) == 1

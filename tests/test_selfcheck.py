@@ -199,6 +199,55 @@ def test_a_lars_kernel_with_another_zero_gradient_rule_is_a_mismatch(
     assert status == 1
 
 
+@routed
+def test_an_agc_kernel_clipping_a_little_harder_is_a_mismatch(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    launch = _kernels.agc_unit_
+
+    def harder(*args: Any, **kwargs: Any) -> torch.Tensor:
+        return launch(*args, **{**kwargs, "clipping": kwargs["clipping"] * (1 - 1e-3)})
+
+    monkeypatch.setattr(_kernels, "agc_unit_", harder)
+    status, printed = _routed(checks=["AdaptiveGradientClipping"], dtypes=[torch.float32])
+    assert re.search(r"AdaptiveGradientClipping +float32 +MISMATCH \(max error", printed), printed
+    assert status == 1
+
+
+@routed
+def test_the_agc_line_passes_on_the_kernel_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The counterpart that makes the test above able to fail: the kernel itself agrees."""
+    calls: list[int] = []
+    launch = _kernels.agc_unit_
+
+    def counted(*args: Any, **kwargs: Any) -> torch.Tensor | None:
+        calls.append(1)
+        return launch(*args, **kwargs)
+
+    monkeypatch.setattr(_kernels, "agc_unit_", counted)
+    status, printed = _routed(checks=["AdaptiveGradientClipping"], dtypes=[torch.float32])
+    assert re.search(r"AdaptiveGradientClipping +float32 +ok \(max error", printed), printed
+    assert calls
+    assert status == 0
+
+
+def test_a_gradient_centralization_kernel_off_by_a_little_is_a_mismatch(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    launch = _kernels.centralize_unit_
+
+    def off(grads: list[torch.Tensor]) -> bool:
+        done = launch(grads)
+        for grad in grads:
+            grad.mul_(1 + 1e-3)
+        return done
+
+    monkeypatch.setattr(_kernels, "centralize_unit_", off)
+    status, printed = _routed(checks=["GradientCentralization"], dtypes=[torch.float32])
+    assert re.search(r"GradientCentralization +float32 +MISMATCH \(max error", printed), printed
+    assert status == 1
+
+
 def test_every_hook_has_a_path_line() -> None:
     hooks = {
         name

@@ -6,6 +6,7 @@ prefix and a pure unit function, as AGC or gradient centralization is.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -145,3 +146,127 @@ def test_an_update_hooks_copy_goes_back_to_the_allocator_after_each_step_off_the
     assert copies.fits([torch.empty(3, 4, device="meta"), torch.empty(5, device="meta")])
     assert not copies.fits([torch.empty(4, 3, device="meta"), torch.empty(5, device="meta")])
     assert not copies.fits([torch.empty(3, 4), torch.empty(5)])
+
+
+# --- the plan kept between steps: each part of its validity rule, changed under it ----------
+
+
+def planned(monkeypatch: pytest.MonkeyPatch) -> tuple[torch.optim.SGD, list[int]]:
+    """SGD(lr=0) over two float16 parameters in a group with ``"scale_factor": 3.0`` under a
+    Scale(2), one step taken (so planned), and a list that grows each time the groups are
+    planned again."""
+    optimizer = torch.optim.SGD([{"params": [fresh(), fresh()], "scale_factor": 3.0}], lr=0.0)
+    Scale(2.0).attach(optimizer)
+    optimizer.step()
+    calls: list[int] = []
+    original = StepHook._new_plan
+
+    def counting(self: StepHook, *args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(StepHook, "_new_plan", counting)
+    return optimizer, calls
+
+
+def fresh(dtype: torch.dtype = torch.float16) -> nn.Parameter:
+    param = nn.Parameter(torch.ones(4, dtype=dtype))
+    param.grad = torch.ones_like(param)
+    return param
+
+
+def swap_in(group: dict[str, Any]) -> None:
+    torch.utils.swap_tensors(group["params"][0], fresh(torch.float32))
+
+
+def read_as_bfloat16(group: dict[str, Any]) -> None:
+    # The same memory read as another dtype of the same size: only the dtype tells.
+    param = group["params"][0]
+    param.data = param.data.view(torch.bfloat16)
+
+
+Change = Callable[[torch.optim.Optimizer, dict[str, Any]], object]
+# Each part of _GroupPlan's rule, changed under a plan that holds, with the factor that the
+# first group's parameters get at the next step (Scale(2)'s own, or the group's override).
+CHANGES: dict[str, tuple[Change, float]] = {
+    "a group added": (lambda o, g: o.add_param_group({"params": [fresh()]}), 3.0),
+    "a group replaced by a new dict": (
+        lambda o, g: o.param_groups.__setitem__(0, {**g, "scale_factor": 5.0}),
+        5.0,
+    ),
+    "an entry edited": (lambda o, g: g.__setitem__("scale_factor", 5.0), 5.0),
+    "an entry added": (lambda o, g: g.__setitem__("scale", True), 3.0),
+    "an entry removed": (lambda o, g: g.pop("scale_factor"), 2.0),
+    "a parameter replaced by one over the same memory": (
+        lambda o, g: g["params"].__setitem__(0, nn.Parameter(g["params"][0].data)),
+        3.0,
+    ),
+    "a parameter appended": (lambda o, g: g["params"].append(fresh()), 3.0),
+    "the parameters reordered": (lambda o, g: g["params"].reverse(), 3.0),
+    "a parameter moved with .data": (
+        lambda o, g: setattr(g["params"][0], "data", torch.ones(4, dtype=torch.float16)),
+        3.0,
+    ),
+    "a parameter converted with .data": (
+        lambda o, g: setattr(g["params"][0], "data", g["params"][0].data.float()),
+        3.0,
+    ),
+    "a parameter swapped with swap_tensors": (lambda o, g: swap_in(g), 3.0),
+    "a parameter read as another dtype in its memory": (lambda o, g: read_as_bfloat16(g), 3.0),
+}
+
+
+@pytest.mark.parametrize("change", list(CHANGES.values()), ids=list(CHANGES))
+def test_each_part_of_the_plans_rule_changed_under_it_is_noticed(
+    monkeypatch: pytest.MonkeyPatch, change: tuple[Change, float]
+) -> None:
+    optimizer, calls = planned(monkeypatch)
+    make_change, factor = change
+    make_change(optimizer, optimizer.param_groups[0])
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            param.grad = torch.ones_like(param)
+    optimizer.step()
+    assert calls, "the step was served by the plan made before the change"
+    first, *others = optimizer.param_groups
+    assert [p.grad.tolist() for p in first["params"]] == [[factor] * 4] * len(first["params"])
+    for group in others:
+        assert [p.grad.tolist() for p in group["params"]] == [[2.0] * 4] * len(group["params"])
+
+
+def test_a_plan_that_holds_is_not_planned_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    optimizer, calls = planned(monkeypatch)
+    for param in optimizer.param_groups[0]["params"]:
+        param.grad = torch.ones_like(param)  # new gradient tensors, as zero_grad() leaves
+    optimizer.step()
+    assert calls == []
+    assert [p.grad.tolist() for p in optimizer.param_groups[0]["params"]] == [[3.0] * 4] * 2
+
+
+@pytest.mark.parametrize("new", [False, True], ids=["gone", "a new tensor"])
+def test_gradients_are_read_at_each_step_under_a_plan_that_holds(
+    monkeypatch: pytest.MonkeyPatch, new: bool
+) -> None:
+    optimizer, calls = planned(monkeypatch)
+    first, second = optimizer.param_groups[0]["params"]
+    first.grad = torch.full((4,), 2.0, dtype=torch.float16) if new else None
+    second.grad = torch.ones_like(second)
+    optimizer.step()
+    assert calls == []
+    assert second.grad.tolist() == [3.0] * 4
+    if new:
+        assert first.grad.tolist() == [6.0] * 4
+    else:
+        assert first.grad is None
+
+
+def test_a_sparse_gradient_under_a_plan_that_holds_is_refused_and_nothing_changes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    optimizer, _ = planned(monkeypatch)
+    first, second = optimizer.param_groups[0]["params"]
+    first.grad = torch.ones(4, dtype=torch.float16).to_sparse()
+    second.grad = torch.ones_like(second)
+    with pytest.raises(ValueError, match=r"parameter 0 of param group 0 has a torch\.sparse_coo"):
+        optimizer.step()
+    assert second.grad.tolist() == [1.0] * 4

@@ -3,9 +3,9 @@
 A GPU user runs it once. It prints normhooks', torch's and Triton's versions, the device,
 whether the kernels are on (and why not) and the path each technique takes; then, on CUDA,
 it runs every kernel path (Weight Normalization and (Scaled) Weight Standardization on one
-layer and fused over a small model, GradientLARS's step) in float32, bfloat16 and float16,
-over two steps with the parameters changed between them, and compares the forward values and
-the gradients with the plain torch formula on the same device
+layer and fused over a small model, the steps of GradientLARS and GradientCentralization)
+in float32, bfloat16 and float16, over two steps with the parameters changed between them,
+and compares the forward values and the gradients with the plain torch formula on the same device
 (``normhooks.set_kernels_enabled(False)``). Each is timed against the peer a user would pick
 instead. ``--json`` writes the same report, which is how GPU figures come back to the project.
 
@@ -145,14 +145,15 @@ def paths(on_device: bool, enabled: bool) -> dict[str, str]:
     lars = "a Triton kernel: two launches per step"
     found = {name: weights if on_device and enabled else plain for name in _WEIGHTS}
     found["GradientLARS"] = lars if on_device and enabled else plain
+    found["AdaptiveGradientClipping"] = lars if on_device and enabled else plain
+    gc = "a Triton kernel: one launch per step (two where a row spans several chunks)"
+    found["GradientCentralization"] = gc if on_device and enabled else plain
     return found | dict.fromkeys(_NO_KERNEL, "the plain torch formula (no kernel)")
 
 
 _WEIGHTS = ("WeightNorm", "WeightStandardization", "ScaledWeightStandardization")
 _NO_KERNEL = (
-    "AdaptiveGradientClipping",
     "TrustRatio",
-    "GradientCentralization",
     "Hypersphere",
     "UpdateRMS",
 )
@@ -209,7 +210,9 @@ class _Case(NamedTuple):
 
     @property
     def peer(self) -> str:
-        return {"wn": "torch weight_norm", "lars": "SGD alone"}.get(self.technique, WS_PEER)
+        peers = {"wn": "torch weight_norm", "lars": "SGD alone", "agc": "SGD alone"}
+        peers["gc"] = "SGD alone"
+        return peers.get(self.technique, WS_PEER)
 
     def ours(self, model: nn.Module) -> nn.Module:
         if self.technique == "wn":
@@ -242,6 +245,8 @@ CASES = (
     _Case("apply_weight_std. scaled", "scaled ws", fused=True),
     _Case("GradientLARS step", "lars"),
     _Case("GradientLARS decay, skip", "lars", zero_grad_modes=("decay", "skip")),
+    _Case("AdaptiveGradientClipping", "agc"),
+    _Case("GradientCentralization", "gc"),
 )
 
 
@@ -359,6 +364,86 @@ class _LARS:
         return (lambda: self._step(ours)), (lambda: self._step(theirs))
 
 
+class _AGC:
+    """The AGC case: SGD with momentum over LARS's shapes, with and without it. The second
+    tensor's gradient is exactly zero and the first tensor's first row of weights too (a unit
+    at the eps floor)."""
+
+    def __init__(self, case: _Case, s: _Sizes, dtype: torch.dtype, device: torch.device) -> None:
+        self.lars = _LARS(case, s, dtype, device)
+        self.lars.params[0][0].zero_()
+
+    def _optimizer(
+        self, hooked: bool
+    ) -> tuple[torch.optim.SGD, normhooks.AdaptiveGradientClipping]:
+        params = [nn.Parameter(p.clone()) for p in self.lars.params]
+        optimizer = torch.optim.SGD(params, lr=1e-3, momentum=0.9)
+        hook = normhooks.AdaptiveGradientClipping(clipping=0.01)
+        if hooked:
+            hook.attach(optimizer)
+        return optimizer, hook
+
+    def steps(self) -> dict[str, Tensor]:
+        """Two steps of a fresh optimizer: the ratios and the gradients AGC wrote."""
+        optimizer, hook = self._optimizer(hooked=True)
+        found: dict[str, Tensor] = {}
+        for step in (1, 2):
+            self.lars._step(optimizer)
+            found[f"step {step} ratios"] = hook.last_ratios[0].detach().clone()
+            for i, p in enumerate(optimizer.param_groups[0]["params"]):
+                found[f"step {step} AGC gradient {i}"] = p.grad.detach().clone()
+        return found
+
+    def timed(self) -> tuple[Callable[[], None], Callable[[], None]]:
+        ours, _ = self._optimizer(hooked=True)
+        theirs, _ = self._optimizer(hooked=False)
+        return (lambda: self.lars._step(ours)), (lambda: self.lars._step(theirs))
+
+
+class _GC:
+    """The gradient centralization case: SGD with momentum over the LARS case's shapes and a
+    row longer than the kernel's chunk (ViT-B/16's position embedding, or the routed check's
+    smaller one), with and without the hook."""
+
+    def __init__(self, case: _Case, s: _Sizes, dtype: torch.dtype, device: torch.device) -> None:
+        long_row = (1, 197, 768) if s is _CUDA_SIZES else (1, 2, 20_000)
+        shapes = (*s.lars_shapes, long_row)
+        self.params = [_random(shape, i, dtype, device) for i, shape in enumerate(shapes)]
+        # Rows with a mean to remove.
+        self.grads = [0.01 * (_random(p.shape, 50 + i, dtype, device) + 0.5)
+                      for i, p in enumerate(self.params)]  # fmt: skip
+
+    def _optimizer(self, hooked: bool) -> torch.optim.SGD:
+        params = [nn.Parameter(p.clone()) for p in self.params]
+        optimizer = torch.optim.SGD(params, lr=1e-3, momentum=0.9)
+        if hooked:
+            normhooks.GradientCentralization().attach(optimizer)
+        return optimizer
+
+    def _step(self, optimizer: torch.optim.SGD) -> None:
+        for p, g in zip(optimizer.param_groups[0]["params"], self.grads, strict=True):
+            p.grad = g.clone()
+        optimizer.step()
+
+    def steps(self) -> dict[str, Tensor]:
+        """Two steps of a fresh optimizer: the gradients the hook wrote, and the parameters."""
+        optimizer = self._optimizer(hooked=True)
+        found: dict[str, Tensor] = {}
+        for step in (1, 2):
+            self._step(optimizer)
+            for i, p in enumerate(optimizer.param_groups[0]["params"]):
+                found[f"step {step} centralized gradient {i}"] = p.grad.detach().clone()
+                found[f"step {step} parameter {i}"] = p.detach().clone()
+        return found
+
+    def timed(self) -> tuple[Callable[[], None], Callable[[], None]]:
+        ours, theirs = self._optimizer(hooked=True), self._optimizer(hooked=False)
+        return (lambda: self._step(ours)), (lambda: self._step(theirs))
+
+
+_SETUPS: dict[str, type[_LARS] | type[_AGC] | type[_GC]] = {"lars": _LARS, "agc": _AGC, "gc": _GC}
+
+
 # --- comparing and timing ------------------------------------------------------------------
 
 
@@ -426,7 +511,7 @@ def check_case(case: _Case, dtype: torch.dtype, device: torch.device, s: _Sizes)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
-            setup = (_LARS if case.technique == "lars" else _Layers)(case, s, dtype, device)
+            setup = _SETUPS.get(case.technique, _Layers)(case, s, dtype, device)
             with _float32_matmuls():
                 got = setup.steps()
                 with normhooks.set_kernels_enabled(False):

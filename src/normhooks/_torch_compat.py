@@ -152,14 +152,15 @@ def pop_forward_pre_hook(module: nn.Module, hook: object) -> Callable[[], None]:
     return restore
 
 
-_PLAIN = frozenset((Tensor, nn.Parameter))
+# The tensor types the kernels take as they are (no subclass: DTensor, FakeTensor, ...).
+PLAIN_TYPES = frozenset((Tensor, nn.Parameter))
 
 
 def plain_tensors(*tensors: object) -> bool:
     """Whether every one of ``tensors`` is a plain ``Tensor`` or ``Parameter``, no subclass."""
     # A loop, not all() over a generator, which costs more: this runs at every forward.
     for tensor in tensors:  # noqa: SIM110
-        if type(tensor) not in _PLAIN:
+        if type(tensor) not in PLAIN_TYPES:
             return False
     return True
 

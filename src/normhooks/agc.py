@@ -20,17 +20,20 @@ import torch
 from torch import Tensor, nn
 from torch.nn.utils.rnn import pad_sequence
 
-from normhooks import _checks
+from normhooks import _checks, _kernels
 from normhooks import _torch_compat as compat
 from normhooks._precision import HALF_DTYPES
 from normhooks._step_hook import (
     Settings,
     StepHook,
+    _unscaled_,
+    _written_,
     euclidean_norms,
     row_norms,
     setting,
     split_param_groups,
 )
+from normhooks._step_hook.checks import all_plain
 
 __all__ = ["AdaptiveGradientClipping", "agc_", "agc_param_groups"]
 
@@ -75,14 +78,56 @@ def agc_unit_(
     *,
     norms: tuple[Tensor, Tensor] | None,
     foreach: bool | None,
+    grad_scale: Tensor | None = None,
+    found_inf: Tensor | None = None,
 ) -> Tensor:
     """AGC on one unit (one device, dtype and sharding); returns each parameter's largest
     ratio :math:`\\|G_i\\| / \\max(\\|W_i\\|, \\epsilon)`, in order.
 
-    float16/bfloat16 gradients are clipped in float32, by a float32 factor, and rounded once.
-    ``norms`` (shards) supply the 0-/1-D tensors' full norms; the rows of a tensor sharded on
-    dim 0 are all local.
+    On CUDA with Triton a multi-tensor kernel does all of it in two launches (sharded units
+    excepted). ``grads`` may be scaled by ``grad_scale`` (a fused optimizer under GradScaler):
+    the ratios and the clipping use the true gradients, the unscaled result is written, and
+    ``found_inf`` is set to 1 where a gradient read or written is not finite. float16/bfloat16
+    gradients are clipped in float32, by a float32 factor, and rounded once. ``norms``
+    (shards) supply the 0-/1-D tensors' full norms; the rows of a tensor sharded on dim 0 are
+    all local.
     """
+    # available() checks the modes (compiling, tracing, ...) and the first tensor; the types
+    # of all of them in one pass each (DTensors, sharded, keep the formula below).
+    if norms is None and _kernels.available(params[0]) and all_plain(params) and all_plain(grads):
+        # Two launches whatever the number of tensors, the GradScaler protocol included.
+        ratios = _kernels.agc_unit_(
+            params,
+            grads,
+            clipping=settings.clipping,
+            eps=settings.eps,
+            grad_scale=grad_scale,
+            found_inf=found_inf,
+        )
+        if ratios is not None:  # None: the kernel failed here (warned once): the formula
+            return ratios
+    sources, flag = grads, found_inf
+    if grad_scale is not None:
+        # The base's unscaled path, taken here: float16/bfloat16 gradients as float32 copies,
+        # each gradient read and written checked for inf/NaN.
+        flag = torch.zeros((), device=grads[0].device) if flag is None else flag
+        sources = _unscaled_(grads, grad_scale, flag, foreach)
+        if norms is not None:
+            norms = (norms[0], norms[1] / grad_scale.to(norms[1].device, norms[1].dtype))
+    ratios = _clip_(params, sources, settings, norms, foreach)
+    if flag is not None:
+        _written_(grads, sources, flag, foreach)
+    return ratios
+
+
+def _clip_(
+    params: list[Tensor],
+    grads: list[Tensor],
+    settings: AGCSettings,
+    norms: tuple[Tensor, Tensor] | None,
+    foreach: bool | None,
+) -> Tensor:
+    """The plain formula of :func:`agc_unit_` on unscaled gradients."""
     w = _unit_norms(params, None if norms is None else norms[0], foreach)
     g = _unit_norms(grads, None if norms is None else norms[1], foreach)
     bounded = w.clamp(min=settings.eps)
@@ -149,7 +194,9 @@ def agc_(
     the input axis of ``nn.ConvTranspose`` weights, as in timm. Norms are per device and dtype,
     float16/bfloat16 computed in float32 and rounded once; on the CPU, units of more than 4096
     values are reduced in pieces whose sums of squares are added in float64 (a single float32
-    reduction of a long unit is not precise). Nothing is read back to the host.
+    reduction of a long unit is not precise). On CUDA with Triton, two kernel launches clip
+    every parameter of a device and dtype, whatever their number (DTensor shards excepted).
+    Nothing is read back to the host.
 
     Args:
         parameters: a tensor or an iterable of tensors; those without ``.grad`` are skipped.
@@ -289,6 +336,7 @@ class AdaptiveGradientClipping(StepHook, AGCSettings):
     prefix = "agc"
     technique = "AGC"
     row_wise = True
+    scaled_gradients = True
     _unit_ = staticmethod(agc_unit_)
 
     def __init__(

@@ -18,10 +18,11 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from normhooks import _checks
+from normhooks import _checks, _kernels
 from normhooks import _torch_compat as compat
 from normhooks._precision import HALF_DTYPES, compute_dtype
 from normhooks._step_hook import Settings, StepHook, setting
+from normhooks._step_hook.checks import all_plain
 
 __all__ = ["GradientCentralization", "centralize_gradients_"]
 
@@ -57,11 +58,20 @@ def centralize_unit_(
 ) -> None:
     """GC on one unit (one device, dtype and sharding), in place; no value per parameter.
 
-    The rows of a tensor sharded on dim 0 are all local, so a shard is centralized alone.
+    The rows of a tensor sharded on dim 0 are all local, so a shard is centralized alone. On
+    CUDA with Triton a kernel centralizes every chosen gradient in one launch.
     """
     least = 4 if settings.conv_only else 2
     chosen = [grad for grad in grads if grad.ndim >= least]
     if not chosen:
+        return
+    # available() checks the process-wide conditions (not compiling, no transform or mode)
+    # once; every tensor must be plain (DTensors, sharded, keep the formula below).
+    if (
+        _kernels.available(chosen[0])
+        and all_plain(chosen)
+        and _kernels.centralize_unit_(chosen)  # False: the kernel failed here (warned once)
+    ):
         return
     if foreach is False or chosen[0].is_cpu or chosen[0].dtype in HALF_DTYPES:
         # One tensor at a time, its mean then its subtraction: on the CPU the second pass
@@ -95,14 +105,16 @@ def centralize_gradients_(
     dim 0 is the axis for every tensor, as in the paper and pytorch-optimizer: for a
     ``nn.ConvTranspose*`` weight (shape ``[in, out / groups, *kernel]``) that is the input
     axis, whose rows are then centralized. float16/bfloat16 gradients are computed in float32
-    and rounded once. Nothing is read back to the host.
+    and rounded once. Nothing is read back to the host. On CUDA with Triton a kernel
+    centralizes every chosen gradient of one device and dtype in one launch (two where a row
+    is longer than 32768 values), whatever ``foreach`` says.
 
     Args:
         parameters: a tensor or an iterable of tensors; those without ``.grad`` are skipped.
         conv_only: centralize only the gradients of four or more dimensions (GCC).
-        foreach: True or None take one multi-tensor op for the subtraction on an
-            accelerator (on the CPU a tensor's mean and subtraction run together, while it
-            is in cache), False one tensor at a time.
+        foreach: without the kernel, True or None take one multi-tensor op for the
+            subtraction on an accelerator (on the CPU a tensor's mean and subtraction run
+            together, while it is in cache), False one tensor at a time.
 
     References:
         Yong, Huang, Hua and Zhang, Gradient Centralization: A New Optimization Technique for

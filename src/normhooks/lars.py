@@ -26,6 +26,7 @@ from normhooks._precision import HALF_DTYPES, upcast
 from normhooks._step_hook import (
     Settings,
     StepHook,
+    all_plain,
     euclidean_norms,
     inverse_scale,
     setting,
@@ -173,7 +174,9 @@ def lars_unit_(
     1 where a written value is not finite. ``norms`` are ``(||w||, ||g||)`` of the full
     tensors when ``params`` are shards; otherwise they are computed here.
     """
-    if norms is None and _kernels.available(params[0]) and compat.plain_eager(*params, *grads):
+    # available() checks the modes (compiling, tracing, ...) and the first tensor; the types
+    # of the rest in one pass each.
+    if norms is None and _kernels.available(params[0]) and all_plain(params) and all_plain(grads):
         # Two launches whatever the number of tensors, the GradScaler protocol included.
         rates = _kernels.lars_unit_(
             params,

@@ -204,6 +204,37 @@ def lars_unit_(params: list[Tensor], grads: list[Tensor], **settings: Any) -> Te
         return None
 
 
+def agc_unit_(params: list[Tensor], grads: list[Tensor], **settings: Any) -> Tensor | None:
+    """:func:`normhooks._kernels.agc.agc_unit_`, or None where the kernel failed on this
+    machine before writing a gradient (warned once; the kernels are off from then on): the
+    caller then computes the plain formula."""
+    from normhooks._kernels import _multi, agc
+
+    try:
+        return agc.agc_unit_(params, grads, **settings)
+    except _multi.KernelFailedError as failure:
+        if isinstance(failure.error, torch.OutOfMemoryError):
+            raise failure.error from None
+        _fallback.failed("AGC", failure.error)
+        return None
+
+
+def centralize_unit_(grads: list[Tensor]) -> bool:
+    """:func:`normhooks._kernels.gradient_centralization.centralize_unit_`; False where the
+    kernel failed on this machine before writing a gradient (warned once; the kernels are off
+    from then on): the caller then computes the plain formula."""
+    from normhooks._kernels import _multi, gradient_centralization
+
+    try:
+        gradient_centralization.centralize_unit_(grads)
+    except _multi.KernelFailedError as failure:
+        if isinstance(failure.error, torch.OutOfMemoryError):
+            raise failure.error from None
+        _fallback.failed("gradient centralization", failure.error)
+        return False
+    return True
+
+
 def trust_ratio_copy(
     params: list[Tensor], flat: Tensor, offsets: Tensor, total: int
 ) -> Tensor | None:

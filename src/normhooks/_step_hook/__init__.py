@@ -35,10 +35,11 @@ gradients are scaled by ``grad_scale``, what it writes must be unscaled, it sets
 value back to the host.
 
 What does not change from step to step (validation, settings and overrides, grouping into
-units) is planned once per state of the param groups and reused while a fingerprint of it
-holds: the param groups and their entries (by identity), each parameter's identity, dtype and
-address; it reads no tensor value. What a step brings (gradients present or not, dense or
-not, new gradient tensors, the lr) is read at each step.
+units) is planned once per state of the param groups and reused while the one rule of
+:class:`~normhooks._step_hook.plan._GroupPlan` holds: the param groups and their entries (by
+identity), each parameter's identity, address and dtype, checked at each step in a few
+C-level passes; it reads no tensor value. What a step brings (gradients present or not,
+dense or not, new gradient tensors, the lr) is read at each step, and nothing of it is kept.
 
 The package, one concern per module, each building on those above it:
 
@@ -72,6 +73,7 @@ from normhooks._step_hook.attach import hooks_on
 from normhooks._step_hook.checks import _SUPPORTED_DTYPES as _SUPPORTED_DTYPES
 from normhooks._step_hook.checks import _USE_FSDP2 as _USE_FSDP2
 from normhooks._step_hook.checks import (
+    all_plain,
     check_dense_grad,
     check_foreach,
     check_not_flattened,
@@ -94,12 +96,10 @@ from normhooks._step_hook.norms import _row_dims as _row_dims
 from normhooks._step_hook.norms import euclidean_norms, row_norms
 from normhooks._step_hook.param_groups import split_param_groups
 from normhooks._step_hook.plan import _DTYPE as _DTYPE
-from normhooks._step_hook.plan import _PLAIN as _PLAIN
 from normhooks._step_hook.plan import _fingerprint as _fingerprint
 from normhooks._step_hook.plan import _GroupPlan as _GroupPlan
 from normhooks._step_hook.plan import _items as _items
 from normhooks._step_hook.plan import _namer as _namer
-from normhooks._step_hook.plan import _same_items as _same_items
 from normhooks._step_hook.settings import Lr, S, S_contra, Settings, UnitFunction, setting
 from normhooks._step_hook.units import _bind as _bind
 from normhooks._step_hook.units import _Bound as _Bound
@@ -121,6 +121,7 @@ __all__ = [
     "Settings",
     "StepHook",
     "UnitFunction",
+    "all_plain",
     "check_dense_grad",
     "check_foreach",
     "check_not_flattened",

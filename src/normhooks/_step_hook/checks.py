@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -10,6 +11,14 @@ from torch import Tensor
 from normhooks import _torch_compat as compat
 
 _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def all_plain(tensors: Iterable[object]) -> bool:
+    """Whether every one of ``tensors`` is a plain ``Tensor`` or ``Parameter`` (no subclass).
+
+    One C-level pass: it runs at every step over every parameter and gradient of a unit.
+    """
+    return compat.PLAIN_TYPES.issuperset(map(type, tensors))
 
 
 def check_param(param: object, where: str, technique: str) -> Tensor:

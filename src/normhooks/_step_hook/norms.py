@@ -49,11 +49,13 @@ def _plain_norms(
 
 def _cpu_norms(tensors: list[Tensor], upcast: torch.dtype | None, foreach: bool | None) -> Tensor:
     """:func:`euclidean_norms` of float32/float16/bfloat16 CPU tensors, in float32."""
-    long = [i for i, t in enumerate(tensors) if t.numel() > _CPU_SHORT]
-    if not long:
+    # Each size read once, in one C-level pass: this runs at every step over every tensor.
+    numels = list(map(Tensor.numel, tensors))
+    if max(numels) <= _CPU_SHORT:
         return torch.stack(_plain_norms(tensors, upcast, foreach))
+    long = [i for i, n in enumerate(numels) if n > _CPU_SHORT]
     out = [torch.empty(0)] * len(tensors)
-    short = [i for i, t in enumerate(tensors) if t.numel() <= _CPU_SHORT]
+    short = [i for i, n in enumerate(numels) if n <= _CPU_SHORT]
     if short:
         norms = _plain_norms([tensors[i] for i in short], upcast, foreach)
         for i, norm in zip(short, norms, strict=True):

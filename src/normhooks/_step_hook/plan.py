@@ -1,9 +1,10 @@
 """The plan kept between steps: what is checked and grouped once per state of the param groups.
 
 Validation, settings and overrides, and the grouping into units do not change from step to
-step: they are planned once and reused while a fingerprint of the param groups holds (the
-groups and their entries by identity, each parameter's identity, dtype and address). It reads
-no tensor value. Under ``torch.compile`` nothing is kept: everything is planned afresh.
+step: they are planned once and reused while the rule of :class:`_GroupPlan` holds (the
+groups and their entries by identity, each parameter's identity, address and dtype), the one
+statement of what makes a kept plan valid. It reads no tensor value. Under ``torch.compile``
+nothing is kept: everything is planned afresh.
 """
 
 from __future__ import annotations
@@ -12,28 +13,52 @@ import operator
 import warnings
 import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from itertools import repeat
 from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from normhooks import _torch_compat as compat
-from normhooks._step_hook.checks import check_not_flattened, check_param, check_rows_are_local
+from normhooks._step_hook.checks import (
+    all_plain,
+    check_not_flattened,
+    check_param,
+    check_rows_are_local,
+)
 from normhooks._step_hook.core import HookCore
 from normhooks._step_hook.settings import Settings
 from normhooks._step_hook.units import _Unit, _units
 
 _DTYPE = operator.attrgetter("dtype")
-_PLAIN = (Tensor, nn.Parameter)
+_ADDRESS = Tensor.data_ptr
 
 
 @dataclass
 class _GroupPlan:
     """One param group as planned: what it was then, and its settings and units.
 
-    ``fingerprint`` is None where the group cannot be fingerprinted (tensor subclasses other
-    than plain tensors): it is then planned again at every step.
+    What makes a kept plan valid, the one rule (checked at each step by :meth:`holds`, and by
+    :meth:`Planning._plan` for the list of groups, before anything of it is used):
+
+    - ``optimizer.param_groups`` has as many groups as planned, each the same dict object;
+    - the group's entries other than ``params`` are the objects planned, compared by identity
+      (equality would read a tensor lr back to the host): a setting edited, a key added or
+      removed is a change;
+    - for a group that takes part: its params are the tensor objects planned, in order, and
+      each has the address and dtype recorded. A ``.data =`` that moves a parameter (to
+      another device too), converts it or swaps its storage, and ``torch.utils.swap_tensors``,
+      change one of them.
+
+    Nothing else of a parameter is kept (its shape is read where it is used), and nothing of a
+    gradient: whether each parameter has one at this step, and a dense one, is read at every
+    step (:func:`~normhooks._step_hook.units._bind`). It reads no tensor value. ``addresses``
+    is None where the group cannot be fingerprinted (tensor subclasses other than plain
+    tensors): it is then planned again at every step.
+
+    Each part of the rule is one C-level pass (``map`` over the kept tuples), so that a step
+    whose plan holds costs a few passes over the parameters and no Python per parameter.
     """
 
     group: Mapping[str, Any]
@@ -42,38 +67,51 @@ class _GroupPlan:
     settings: Settings | None
     units: list[_Unit]
     where: Callable[[int], str]
-    fingerprint: tuple[list[torch.dtype], list[int]] | None = None
+    addresses: tuple[int, ...] | None = None
+    dtypes: tuple[torch.dtype, ...] | None = None
+    _size: int = field(init=False, repr=False)
+    _keys: tuple[str, ...] = field(init=False, repr=False)
+    _values: tuple[object, ...] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self._size = len(self.group)
+        self._keys = tuple(self.items)
+        self._values = tuple(self.items.values())
 
     def holds(self, group: Mapping[str, Any]) -> bool:
-        """Whether ``group`` is still what was planned (no tensor value is read)."""
-        if group is not self.group or not _same_items(group, self.items):
+        """Whether ``group`` is still what was planned (the rule above; no tensor value is
+        read)."""
+        if group is not self.group or len(group) != self._size:
+            return False
+        found = map(group.get, self._keys, repeat(_MISSING))
+        if not all(map(operator.is_, found, self._values)):
             return False
         return self.settings is None or self.same_params(group["params"])
 
     def same_params(self, params: Sequence[Any]) -> bool:
-        """Whether ``params`` are the planned parameters, with their dtypes and addresses."""
-        if len(params) != len(self.params) or not all(map(operator.is_, params, self.params)):
-            return False
-        return self.fingerprint is not None and self.fingerprint == _fingerprint(params)
+        """Whether ``params`` are the planned parameters, with their addresses and dtypes."""
+        kept = self.params
+        return (
+            self.addresses is not None
+            and len(params) == len(kept)
+            and all(map(operator.is_, params, kept))
+            and tuple(map(_ADDRESS, params)) == self.addresses
+            and tuple(map(_DTYPE, params)) == self.dtypes
+        )
+
+
+# What a group's entry is when it has none: nothing a group can hold.
+_MISSING = object()
 
 
 def _items(group: Mapping[str, Any]) -> dict[str, object]:
     return {key: value for key, value in group.items() if key != "params"}
 
 
-def _same_items(group: Mapping[str, Any], items: Mapping[str, object]) -> bool:
-    """The group's entries other than params are the objects planned (compared by identity:
-    equality would read a tensor lr back to the host)."""
-    if len(group) != len(items) + 1:
-        return False
-    missing = object()
-    return all(group.get(key, missing) is value for key, value in items.items())
-
-
-def _fingerprint(params: Sequence[Tensor]) -> tuple[list[torch.dtype], list[int]]:
-    """Each parameter's dtype and address: a ``.data =`` that moves it, converts it or swaps
+def _fingerprint(params: Sequence[Tensor]) -> tuple[tuple[int, ...], tuple[torch.dtype, ...]]:
+    """Each parameter's address and dtype: a ``.data =`` that moves it, converts it or swaps
     its storage changes one of them."""
-    return list(map(_DTYPE, params)), list(map(Tensor.data_ptr, params))
+    return tuple(map(_ADDRESS, params)), tuple(map(_DTYPE, params))
 
 
 def _namer(group_index: int) -> Callable[[int], str]:
@@ -103,11 +141,7 @@ class Planning(HookCore):
         if torch.compiler.is_compiling():
             return self._new_plan(optimizer, groups, [])
         old = self._plans.get(optimizer)
-        if (
-            old is not None
-            and len(old) == len(groups)
-            and all(plan.holds(group) for plan, group in zip(old, groups, strict=True))
-        ):
+        if old is not None and len(old) == len(groups) and all(map(_GroupPlan.holds, old, groups)):
             return old
         plan = self._new_plan(optimizer, groups, old or [])
         self._plans[optimizer] = plan
@@ -154,16 +188,23 @@ class Planning(HookCore):
             return _GroupPlan(group, params, _items(group), None, [], where)
         if previous is not None and previous.settings is not None and previous.same_params(params):
             return _GroupPlan(
-                group, params, _items(group), settings, previous.units, where, previous.fingerprint
+                group,
+                params,
+                _items(group),
+                settings,
+                previous.units,
+                where,
+                previous.addresses,
+                previous.dtypes,
             )
         positions = range(len(params))
         self._check_params(params, positions, where)
         units = _units(params, positions, where, self.technique)
-        fingerprint = None
+        addresses = dtypes = None
         # A trace cannot read addresses; and under it nothing is kept from one step to the next.
-        if not torch.compiler.is_compiling() and all(type(p) in _PLAIN for p in params):
-            fingerprint = _fingerprint(params)
-        return _GroupPlan(group, params, _items(group), settings, units, where, fingerprint)
+        if not torch.compiler.is_compiling() and all_plain(params):
+            addresses, dtypes = _fingerprint(params)
+        return _GroupPlan(group, params, _items(group), settings, units, where, addresses, dtypes)
 
     @classmethod
     def _check_params(

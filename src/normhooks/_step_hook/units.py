@@ -7,8 +7,10 @@ with one all-reduce per sharded mesh dimension for all of them.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from itertools import repeat
 from typing import Any
 
 import torch
@@ -105,13 +107,36 @@ def _units(
     return list(units.values())
 
 
+_GRAD = operator.attrgetter("grad")
+_LAYOUT = operator.attrgetter("layout")
+
+
+def _all_dense(grads: list[Any]) -> bool:
+    """Whether every one of ``grads`` is a dense (strided) tensor, in one C-level pass: None,
+    a missing gradient, has no layout."""
+    try:
+        return all(map(operator.is_, map(_LAYOUT, grads), repeat(torch.strided)))
+    except AttributeError:
+        return False
+
+
 def _bind(unit: _Unit, where: Callable[[int], str], technique: str) -> _Bound | None:
-    """The unit's parameters with a gradient at this step (None if there are none)."""
-    grads: list[Any] = [p.grad for p in unit.params]
+    """The unit's parameters with a gradient at this step (None if there are none).
+
+    Read afresh at every step, never kept: which parameters have a gradient, and that each is
+    dense (a kept gradient would also keep its memory after ``zero_grad()``).
+    """
     positions, params = unit.positions, unit.params
     strided = torch.strided
-    # One pass in the usual case: every parameter has a dense gradient.
-    if any(g is None or g.layout is not strided for g in grads):
+    grads: list[Any]
+    if torch.compiler.is_compiling():
+        # Dynamo traces no attrgetter: the same reads, one by one.
+        grads = [p.grad for p in params]
+        dense = all(g is not None and g.layout is strided for g in grads)
+    else:
+        grads = list(map(_GRAD, params))
+        dense = _all_dense(grads)
+    if not dense:
         kept = [i for i, g in enumerate(grads) if g is not None]
         if not kept:
             return None
