@@ -147,6 +147,7 @@ def kernel_modules() -> list[ModuleType]:
         agc,
         gradient_centralization,
         lars,
+        trust_ratio,
         weight_norm,
         weight_standardization,
     )
@@ -157,6 +158,7 @@ def kernel_modules() -> list[ModuleType]:
         agc,
         gradient_centralization,
         lars,
+        trust_ratio,
         weight_norm,
         weight_standardization,
     ]

@@ -441,6 +441,21 @@ if importlib.util.find_spec("triton") is not None:
             ):
                 lars_unit_(params, grads, **self.clip_settings(0.1))
 
+        def test_trust_ratio_refuses_parameters_first_seen_inside_a_capture(self) -> None:
+            from normhooks._step_hook.copies import _Copies
+
+            copies = _Copies([torch.randn(100, device="cuda"), torch.randn(3, 4, device="cuda")])
+            graph = torch.cuda.CUDAGraph()
+            with (
+                pytest.raises(RuntimeError, match="before capturing"),
+                torch.cuda.graph(graph),
+            ):
+                copies.offsets()
+            # Made outside a capture, the offsets are kept for every later step.
+            offsets, total = copies.offsets()
+            assert offsets.tolist() == [0, 100]
+            assert total == 112
+
         @pytest.mark.parametrize(
             "dtype", [torch.float32, torch.float64], ids=["float32", "float64"]
         )

@@ -26,7 +26,7 @@ import pytest
 import torch
 
 import normhooks
-from normhooks import WeightNorm, WeightStandardization, _kernels, _selfcheck
+from normhooks import WeightNorm, WeightStandardization, _kernels, _selfcheck, _selfcheck_cases
 from normhooks.__main__ import main
 from normhooks._step_hook import StepHook
 
@@ -127,7 +127,9 @@ def test_json_without_cuda_has_the_header_and_no_results(tmp_path: Path) -> None
 def test_routed_check_every_line_is_ok(full_run: tuple[int, str, dict[str, Any]]) -> None:
     status, printed, _ = full_run
     lines = [line for line in printed.splitlines() if line.startswith("  ") and " ms" in line]
-    assert len(lines) == len(_selfcheck.CASES) * len(_selfcheck.DTYPES)
+    halves = sum(dtype.itemsize == 2 for dtype in _selfcheck.DTYPES)
+    expected = sum(len(_selfcheck.DTYPES) - (not c.halves) * halves for c in _selfcheck.CASES)
+    assert len(lines) == expected
     assert all(" ok (max error " in line for line in lines), printed
     assert status == 0
 
@@ -137,8 +139,14 @@ def test_routed_check_covers_every_kernel_path_and_dtype(
     full_run: tuple[int, str, dict[str, Any]],
 ) -> None:
     seen = {(r["check"], r["dtype"]) for r in full_run[2]["results"]}
-    dtypes = {"float32", "bfloat16", "float16"}
-    assert seen == {(case.name, dtype) for case in _selfcheck.CASES for dtype in dtypes}
+    halves = {"bfloat16", "float16"}
+    expected = {
+        (case.name, dtype)
+        for case in _selfcheck.CASES
+        for dtype in ({"float32"} | halves if case.halves else {"float32"})
+    }
+    assert seen == expected
+    assert ("TrustRatio", "float32") in seen
 
 
 @routed
@@ -147,7 +155,8 @@ def test_routed_check_times_each_path_and_its_peer(
 ) -> None:
     results = full_run[2]["results"]
     assert all(r["ms"] > 0 and r["peer_ms"] > 0 for r in results)
-    assert {r["peer"] for r in results} == {"torch weight_norm", _selfcheck.WS_PEER, "SGD alone"}
+    peers = {"torch weight_norm", _selfcheck_cases.WS_PEER, "SGD alone", "AdamW alone"}
+    assert {r["peer"] for r in results} == peers
 
 
 @routed

@@ -16,8 +16,9 @@ The layout (each file one concern; only the kernel modules import Triton):
 - ``_multi``: the one multi-tensor machinery (a table of addresses per set of tensors, rows
   cut into chunks, row sums by the last program to arrive) that the step hooks' kernels are
   descriptions on;
-- the Triton kernels: ``weight_norm``, ``weight_standardization``, ``lars`` and what they
-  share (``_common``, ``_fused``, ``_launch``).
+- the Triton kernels: ``weight_norm``, ``weight_standardization``, the step hooks' ``lars``,
+  ``agc``, ``gradient_centralization`` and ``trust_ratio``, and what they share
+  (``_common``, ``_fused``, ``_launch``).
 
 :func:`route_cpu_tensors` is the one private switch that sends plain CPU tensors down the same
 path, for the code around the kernels to be exercised without a GPU: the tests run the

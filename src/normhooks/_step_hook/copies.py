@@ -70,6 +70,14 @@ class _Copies:
         at the first call, kept), and the buffer's size: for a kernel that finds the views
         through the buffer's address, which may change from step to step."""
         if self._offsets is None:
+            if self._flat.is_cuda and torch.cuda.is_current_stream_capturing():
+                # The graph would replay the copy below from freed host memory.
+                raise RuntimeError(
+                    "TrustRatio's Triton kernels meet these parameters for the first time "
+                    "inside a CUDA-graph capture, where they cannot copy the offsets of the "
+                    "old values to the device; run a step on the same parameters before "
+                    "capturing"
+                )
             starts = [0]
             for view in self._views:
                 starts.append(starts[-1] + view.numel())
