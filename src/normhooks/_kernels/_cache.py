@@ -10,7 +10,7 @@ under a tensor without a new object: its version (any in-place op), its storage 
 assignment, which keeps the tensor's identity and version), its shape, strides, dtype and
 device (``model.double()``, ``p.data = p.data.contiguous(memory_format=...)``), and whether it
 requires grad. Where a technique's inputs live (a gain as a Parameter or a buffer) is checked
-by the caller, which keeps the dict it found each one in (see ``_scope``).
+by the caller, which keeps the dict it found each one in (see ``_members``).
 
 What no rule here can see: a write into a tensor's values through ``.data`` (``p.data.mul_(2)``
 bumps the version of the ``.data`` alias, not of ``p``). Outside a forward nothing is served,
@@ -134,7 +134,7 @@ Fields = tuple[int, int, tuple[int, ...], torch.Size, torch.dtype, torch.device,
 def fields_of(tensor: Tensor) -> Fields:
     """What :meth:`State.holds` compares of a tensor it kept by identity, in one tuple: its
     version, address, strides, shape, dtype, device and ``requires_grad`` (a served access
-    builds the same tuple inline, see ``_scope._Served``)."""
+    builds the same tuple inline, see ``_served.Served``)."""
     return (
         tensor._version,
         tensor.data_ptr(),
