@@ -211,17 +211,24 @@ class WeightNormDoor(Door):
     Args:
         formula: ``formula(g, v, dim, eps)`` in plain differentiable torch ops.
         check: ``check(parametrization, g, v)``: the technique's checks; returns the axis.
+        row_norms: ``row_norms(v, dim)``, the formula's norms over every axis but ``dim``,
+            kept for broadcasting.
+        denominator: ``denominator(norm, eps)``, the formula's divisor of v for those norms.
     """
 
     what = "weight normalization"
 
     def __init__(
-        self, formula: WeightNormFormula, check: Callable[[Any, Tensor, Tensor], int | None]
+        self,
+        formula: WeightNormFormula,
+        check: Callable[[Any, Tensor, Tensor], int | None],
+        row_norms: _cpu.RowNorms,
+        denominator: _cpu.Denominator,
     ) -> None:
         self.formula = formula
         self.check = check
         # The closed-form CPU Function of this formula (tests compare it with the formula).
-        self.closed_form = _cpu.closed_form(formula)
+        self.closed_form = _cpu.closed_form(formula, row_norms, denominator)
 
     def __call__(self, parametrization: Any, g: Tensor, v: Tensor) -> Tensor:
         route = self.route(parametrization, (g, v))
