@@ -22,7 +22,7 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
-from typing import Any, Generic, TypeVar
+from typing import Generic, TypeVar
 
 import torch
 from torch import Tensor
@@ -103,41 +103,50 @@ def layout(tensor: Tensor) -> Layout:
 
 
 class State:
-    """A tensor as something was computed from it: :func:`holds` tells whether it still is.
+    """A tensor as something was computed from it: :meth:`holds` tells whether it still is.
 
     Keeps the tensor's storage alive, so that an address equal to the one recorded is the
     same memory (a storage freed by a ``.data`` assignment cannot be reused under it).
     """
 
-    __slots__ = ("address", "fields", "layout", "requires_grad", "storage", "tensor", "version")
+    __slots__ = ("fields", "storage", "tensor")
 
-    def __init__(self, tensor: Tensor, known: Layout | None = None) -> None:
+    def __init__(self, tensor: Tensor) -> None:
         self.tensor = tensor
-        self.version = tensor._version
-        self.address = tensor.data_ptr()
         self.storage = tensor.untyped_storage()
-        self.layout = layout(tensor) if known is None else known
-        self.requires_grad = tensor.requires_grad
-        self.fields = _fields(self)
+        self.fields = fields_of(tensor)
 
     def holds(self, tensor: Tensor | None) -> bool:
         """Whether ``tensor`` is the tensor recorded, unchanged: same object, version, memory,
-        layout and ``requires_grad``."""
-        # One comparison of :func:`fields_of` (the served accesses inline it); the type of the
-        # same object is checked by identity.
+        type, layout and ``requires_grad``."""
+        # One comparison of :func:`fields_of` (the served accesses inline it).
         return tensor is self.tensor and fields_of(tensor) == self.fields
 
+    def again(self, fields: Fields) -> State:
+        """The state of the same tensor now, given its :func:`fields_of` now, whose
+        :data:`Meta` is the one recorded (a scope takes every original's state again)."""
+        now = State.__new__(State)
+        now.tensor = tensor = self.tensor
+        # The same address is the same memory (the storage kept alive holds it): the storage
+        # object is taken over rather than asked of the tensor again.
+        now.storage = self.storage if fields[1] == self.fields[1] else tensor.untyped_storage()
+        now.fields = fields
+        return now
 
-Fields = tuple[int, int, tuple[int, ...], torch.Size, torch.dtype, torch.device, bool]
+
+# What can change under a tensor kept by identity without its version: its type, strides,
+# shape, dtype, device (a ``.data`` assignment) and whether it requires grad.
+Meta = tuple[type, tuple[int, ...], torch.Size, torch.dtype, torch.device, bool]
+# Its version and address (a ``.data`` assignment changes the address, not the version),
+# with its :data:`Meta`.
+Fields = tuple[int, int, Meta]
 
 
-def fields_of(tensor: Tensor) -> Fields:
-    """What :meth:`State.holds` compares of a tensor it kept by identity, in one tuple: its
-    version, address, strides, shape, dtype, device and ``requires_grad`` (a served access
-    builds the same tuple inline, see ``_served.Served``)."""
+def meta_of(tensor: Tensor) -> Meta:
+    """What a kept tensor's :data:`Meta` is now (a scope builds the same tuple inline, see
+    ``_members.holds``)."""
     return (
-        tensor._version,
-        tensor.data_ptr(),
+        type(tensor),
         tensor.stride(),
         tensor.shape,
         tensor.dtype,
@@ -146,57 +155,8 @@ def fields_of(tensor: Tensor) -> Fields:
     )
 
 
-def _fields(state: State) -> Fields:
-    known = state.layout
-    return (
-        state.version,
-        state.address,
-        known[2],
-        known[1],
-        known[3],
-        known[4],
-        state.requires_grad,
-    )
-
-
-def taken_again(
-    checks: list[tuple[tuple[Any, str, State], ...]],
-) -> list[tuple[tuple[Any, str, State], ...]]:
-    """Each check of each layer with its tensor's state now, where its layout is known to be
-    the one recorded (a scope takes every original's state again, in one call)."""
-    result = []
-    for layer in checks:
-        now_layer = []
-        for owner, key, state in layer:
-            tensor = state.tensor
-            address = tensor.data_ptr()
-            if address != state.address:
-                now = State(tensor, state.layout)
-            else:
-                # The same address is the same memory (the storage kept alive holds it): the
-                # storage object is taken over rather than asked of the tensor again, the
-                # costly read.
-                now = State.__new__(State)
-                now.tensor = tensor
-                now.version = tensor._version
-                now.address = address
-                now.storage = state.storage
-                now.layout = known = state.layout
-                now.requires_grad = tensor.requires_grad
-                now.fields = (
-                    now.version,
-                    address,
-                    known[2],
-                    known[1],
-                    known[3],
-                    known[4],
-                    now.requires_grad,
-                )
-            now_layer.append((owner, key, now))
-        result.append(tuple(now_layer))
-    return result
-
-
-def holds(states: tuple[State, ...], tensors: tuple[Tensor | None, ...]) -> bool:
-    """Whether every tensor is the one its state recorded, unchanged (see :class:`State`)."""
-    return all(s.holds(t) for s, t in zip(states, tensors, strict=True))
+def fields_of(tensor: Tensor) -> Fields:
+    """What :meth:`State.holds` compares of a tensor it kept by identity, in one tuple: its
+    version, address and :data:`Meta` (a served access builds the same tuple inline, see
+    ``_served.Served``)."""
+    return tensor._version, tensor.data_ptr(), meta_of(tensor)

@@ -34,9 +34,9 @@ FusionGroup = tuple[Callable[..., tuple[Tensor, ...]], torch.device, torch.dtype
 # key, and the tensor's state then (see _cache.State).
 Check = tuple[dict[str, Any], str, State]
 
-# What a layer hands a fused launch: the group it joins, its kernel plan, its tensors (None
-# for an optional one it lacks), and a check for each tensor it has.
-FusionInputs = tuple[FusionGroup, object, tuple[Tensor | None, ...], tuple[Check, ...]]
+# What a layer hands a fused launch: the group it joins, its kernel plan and its tensors (None
+# for an optional one it lacks).
+FusionInputs = tuple[FusionGroup, object, tuple[Tensor | None, ...]]
 
 
 class Route:
@@ -139,14 +139,7 @@ class Door(abc.ABC):
             return None
         if group[1].type == "cpu" and not _kernels.routing_cpu_tensors():
             return None
-        checks = tuple(
-            [
-                (owner, key, State(t))
-                for (owner, key), t in zip(sources, tensors, strict=True)
-                if t is not None
-            ]
-        )
-        return group, route.plan, tensors, checks
+        return group, route.plan, tensors
 
     def fusion_group(
         self, parametrization: nn.Module, tensors: tuple[Tensor | None, ...], route: Route

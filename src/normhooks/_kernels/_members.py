@@ -26,7 +26,7 @@ from typing import Any
 from torch import Tensor, nn
 
 from normhooks._kernels import _fallback
-from normhooks._kernels._cache import taken_again
+from normhooks._kernels._cache import State
 from normhooks._kernels._door import Check, Door, Source, door_of
 from normhooks._kernels._served import replaceable
 
@@ -36,13 +36,16 @@ class Member:
 
     __slots__ = (
         "chain",
+        "checks",
         "depth",
         "door",
+        "found",
         "holder",
         "module",
         "name",
         "parametrization",
-        "stamp",
+        "settings",
+        "sources",
     )
 
     def __init__(self, module: nn.Module, name: str) -> None:
@@ -58,8 +61,15 @@ class Member:
         door = door_of(self.parametrization)
         assert door is not None  # found by candidates
         self.door: Door = door
-        # What its fused inputs were last found from (see _stamp).
-        self.stamp: Stamp | None = None
+        # What its fused inputs were last found from (see stamp): its settings (None before
+        # the first scope), where a launch finds its tensors (None where it takes none), and
+        # for each of those the dict, the key and the tensor's state (None for a tensor it
+        # lacks: plain WS's gain).
+        self.settings: tuple[object, ...] | None = None
+        self.sources: tuple[Source, ...] | None = None
+        self.found: tuple[tuple[dict[str, Any], str, State | None], ...] = ()
+        # The served weight's checks: the states of the tensors it has (see _served.Served).
+        self.checks: tuple[Check, ...] = ()
         # How many frames above a served access of its weight its scope's frame was found
         # last time (see _served.Served.__call__).
         self.depth = 1
@@ -92,58 +102,38 @@ def candidates(module: nn.Module) -> Iterator[str]:
             yield name
 
 
-# What a member's fused inputs depend on besides the tensors' values: its settings, where a
-# launch finds its tensors (None where it takes none), and, for each of them, where it lives
-# (the dict: a gain as a Parameter or a buffer), the tensor (kept: its identity) and its
-# metadata (:func:`_metadata`: what its route was keyed by, with whether it requires grad).
-# Metadata only (a write through ``.data`` changes a tensor's layout without a new version);
-# the values are the served weights' checks, read at each scope and access.
-_Found = tuple[dict[str, Any], str, Tensor | None, tuple[object, ...] | None]
-Stamp = tuple[tuple[object, ...], tuple[Source, ...] | None, tuple[_Found, ...]]
-
-
-def _metadata(tensor: Tensor | None) -> tuple[object, ...] | None:
-    # holds builds the same tuple inline.
-    if tensor is None:
-        return None
-    return (
-        type(tensor),
-        tensor.shape,
-        tensor.stride(),
-        tensor.dtype,
-        tensor.device,
-        tensor.requires_grad,
-    )
-
-
-def _stamp(member: Member) -> Stamp:
+def stamp(member: Member) -> None:
+    """Records what ``member``'s fused inputs are found from now: its settings, and the state
+    of each tensor a launch takes (:class:`~normhooks._kernels._cache.State`: metadata and
+    versions, no values)."""
     parametrization = member.parametrization
     sources = member.door.sources(parametrization, member.chain)
-    found: list[_Found] = []
+    found: list[tuple[dict[str, Any], str, State | None]] = []
+    checks: list[Check] = []
     for owner, key in () if sources is None else sources:
         tensor = owner.get(key)
-        found.append((owner, key, tensor, _metadata(tensor)))
-    return member.door.settings(parametrization), sources, tuple(found)
+        if tensor is None:
+            found.append((owner, key, None))
+        else:
+            check = (owner, key, State(tensor))
+            found.append(check)
+            checks.append(check)
+    member.settings = member.door.settings(parametrization)
+    member.sources = sources
+    member.found = tuple(found)
+    member.checks = tuple(checks)
 
 
 class Group:
     """The members of one fused launch: one kind, device and dtype, and whether any of their
     originals requires grad."""
 
-    __slots__ = ("checks", "members", "plans", "tensors")
+    __slots__ = ("members", "plans", "tensors")
 
     def __init__(self) -> None:
         self.members: list[Member] = []
         self.plans: list[object] = []
         self.tensors: list[Tensor | None] = []
-        self.checks: list[tuple[Check, ...]] = []
-
-    def check_again(self) -> None:
-        """Each member's checks with its tensors' states now: the weights are computed from
-        these."""
-        # Their layouts are the ones found (the scope took these groups again because no
-        # member's metadata changed).
-        self.checks = taken_again(self.checks)
 
 
 # A group's key: (its launch, device, dtype), whether any of its originals requires grad,
@@ -171,9 +161,11 @@ MAX_GROUP_NUMEL = 2**25
 
 def holds(grouping: Grouping, members: list[Member]) -> bool:
     """Whether every member is current (:meth:`Member.current`), served by no other open
-    scope, and what its fused inputs were found from holds: the same settings, and the same
-    tensors in the same dicts with the same metadata (:func:`_metadata`). Inlined here: this
-    runs for every member at every scope."""
+    scope, and what its fused inputs were found from holds (:func:`stamp`): the same settings,
+    and the same tensors in the same dicts with the same type, layout and ``requires_grad``
+    (``_cache.Meta``). Where they do, each member's states are taken again with the versions
+    and addresses now: its weight is computed from these. Inlined here: this runs for every
+    member at every scope."""
     if not grouping.reusable:
         return False
     for member in members:
@@ -191,34 +183,42 @@ def holds(grouping: Grouping, members: list[Member]) -> bool:
         existing = chain.__dict__.get("forward")
         if existing is not None and not replaceable(existing):
             return False
-        stamp = member.stamp
-        if stamp is None:
+        settings = member.settings
+        if settings is None or member.door.settings(first) != settings:
             return False
-        settings, sources, found = stamp
-        if member.door.settings(member.parametrization) != settings:
-            return False
-        if sources is None:
-            if member.door.sources(member.parametrization, chain) is not None:
+        if member.sources is None:
+            if member.door.sources(first, chain) is not None:
                 return False
             continue
         # A tensor that moved between dicts (a gain made a buffer) is no longer where it
         # was found: the identity check sees it.
-        for owner, key, tensor, meta in found:
-            if owner.get(key) is not tensor:
+        found: list[tuple[dict[str, Any], str, State | None]] = []
+        checks: list[Check] = []
+        for owner, key, state in member.found:
+            tensor = owner.get(key)
+            if state is None:
+                if tensor is not None:
+                    return False
+                found.append((owner, key, None))
+                continue
+            if tensor is not state.tensor:
                 return False
-            if (
-                tensor is not None
-                and (
-                    type(tensor),
-                    tensor.shape,
-                    tensor.stride(),
-                    tensor.dtype,
-                    tensor.device,
-                    tensor.requires_grad,
-                )
-                != meta
-            ):
+            # _cache.meta_of, inline.
+            meta = (
+                type(tensor),
+                tensor.stride(),
+                tensor.shape,
+                tensor.dtype,
+                tensor.device,
+                tensor.requires_grad,
+            )
+            if meta != state.fields[2]:
                 return False
+            check = (owner, key, state.again((tensor._version, tensor.data_ptr(), meta)))
+            found.append(check)
+            checks.append(check)
+        member.found = tuple(found)
+        member.checks = tuple(checks)
     return True
 
 
@@ -234,7 +234,7 @@ def grouped(members: list[Member]) -> tuple[dict[GroupKey, Group], bool]:
         if existing is not None and not replaceable(existing):
             reusable = False
             continue
-        member.stamp = _stamp(member)
+        stamp(member)
         try:
             found = member.door.fusion_inputs(member.parametrization, chain)
         except Exception:
@@ -243,7 +243,7 @@ def grouped(members: list[Member]) -> tuple[dict[GroupKey, Group], bool]:
             found = None
         if found is None:
             continue
-        key, plan, tensors, checks = found
+        key, plan, tensors = found
         needs_grad = False
         numel = 0
         for tensor in tensors:
@@ -261,7 +261,6 @@ def grouped(members: list[Member]) -> tuple[dict[GroupKey, Group], bool]:
         group.members.append(member)
         group.plans.append(plan)
         group.tensors.extend(tensors)
-        group.checks.append(checks)
     # A kernel that failed finding a layer's launch (the fallback) left it out: found again
     # once the kernels are turned on again.
     return groups, reusable and not _fallback.broken()

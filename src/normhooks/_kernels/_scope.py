@@ -126,8 +126,6 @@ class Fusion:
         routing = _kernels.routing_cpu_tensors()
         grouping = self.grouping
         if grouping is not None and grouping.routing == routing and holds(grouping, self.members):
-            for group in grouping.groups.values():
-                group.check_again()
             return grouping.groups
         self.members = [m for m in self.members if m.current()]
         groups, reusable = grouped(self.members)

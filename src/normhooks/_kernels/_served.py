@@ -39,6 +39,8 @@ from normhooks import _torch_compat
 from normhooks._kernels import _fallback
 from normhooks._kernels._door import Check
 
+_top_saved_tensors_hooks = _torch_compat.top_saved_tensors_hooks
+
 if TYPE_CHECKING:
     from normhooks._kernels._members import Group, GroupKey, Member
 
@@ -95,7 +97,7 @@ class Served:
         # The settings the weight was computed with (an eps or gamma changed inside the
         # forward, by a schedule in a pre-hook, is seen at the next access).
         self.member = member
-        self.settings = None if member is None or member.stamp is None else member.stamp[0]
+        self.settings = None if member is None else member.settings
         self.level = level
         self.weight = weight
         # The served weight as computed: a layer's code that writes into the weight it got
@@ -127,11 +129,14 @@ class Served:
                 or (
                     tensor._version,
                     tensor.data_ptr(),
-                    tensor.stride(),
-                    tensor.shape,
-                    tensor.dtype,
-                    tensor.device,
-                    tensor.requires_grad,
+                    (
+                        type(tensor),
+                        tensor.stride(),
+                        tensor.shape,
+                        tensor.dtype,
+                        tensor.device,
+                        tensor.requires_grad,
+                    ),
                 )
                 != state.fields
             ):
@@ -142,7 +147,7 @@ class Served:
         # Under saved-tensor hooks (non-reentrant checkpointing) the layer computes its
         # weight itself, as the recomputation in backward will, which must save what the
         # forward saved.
-        if _torch_compat.saved_tensors_hooked():
+        if _top_saved_tensors_hooks(True) is not None:  # _torch_compat.saved_tensors_hooked()
             return self._own()
         # A CUDA weight was computed on one stream: another one would read it unsynchronized.
         stream = self.stream
@@ -215,8 +220,8 @@ def serve(groups: dict[GroupKey, Group], level: Level) -> None:
         stream = None
         if device.type == "cuda":
             stream = (device.index, _torch_compat.current_raw_stream(device.index))
-        for member, weight, checks in zip(group.members, weights, group.checks, strict=True):
-            served = Served(member.chain, level, weight, checks, inference, stream, member)
+        for member, weight in zip(group.members, weights, strict=True):
+            served = Served(member.chain, level, weight, member.checks, inference, stream, member)
             member.chain.__dict__["forward"] = served
             level.served.append((member.chain, served))
 
