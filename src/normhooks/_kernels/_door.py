@@ -232,7 +232,9 @@ class WeightNormDoor(Door):
         if dim is not None and _kernels.available(g, v):
             # CUDA with Triton: one fused kernel forward and one backward, exact.
             try:
-                plan = self.plan(parametrization, g, v, route)
+                plan = route.plan  # (self.plan, inline where the route has one)
+                if plan is None:
+                    plan = self.plan(parametrization, g, v, route)
                 return _kernels.planned_weight_norm(g, v, plan)
             except Exception as error:
                 _kernel_failed(error, self.what)
@@ -300,9 +302,6 @@ class StandardizationDoor(Door):
             axis and the gain's factor (None without a gain).
         rows: ``rows(weight, dim, groups)``: the weight as one row per standardized slice,
             and what :func:`unrows` needs to undo it; ``unrows(rows, shape, dim, groups)``.
-        compute: what a parametrization's weight is computed by once its checks passed:
-            ``compute(weight, dim, eps, groups, gain, factor, route)``, the technique's entry
-            into :meth:`standardize` (by default :meth:`standardize` itself).
     """
 
     what = "weight standardization"
@@ -313,18 +312,17 @@ class StandardizationDoor(Door):
         check: Callable[[Any, Tensor, Tensor | None], tuple[int, float | None]],
         rows: Callable[[Tensor, int, int], tuple[Tensor, tuple[int, ...]]],
         unrows: Callable[[Tensor, tuple[int, ...], int, int], Tensor],
-        compute: Callable[..., Tensor] | None = None,
     ) -> None:
         self.formula = formula
         self.check = check
         self.rows = rows
         self.unrows = unrows
-        self.compute: Callable[..., Tensor] = self.standardize if compute is None else compute
 
     def __call__(self, parametrization: Any, weight: Tensor, gain: Tensor | None) -> Tensor:
         route = self.route(parametrization, (weight,) if gain is None else (weight, gain))
-        eps, groups = parametrization.eps, parametrization.groups
-        return self.compute(weight, route.dim, eps, groups, gain, route.factor, route)
+        dim, eps, groups = route.dim, parametrization.eps, parametrization.groups
+        assert dim is not None  # a standardization's checks always find its axis
+        return self.standardize(weight, dim, eps, groups, gain, route.factor, route)
 
     def standardize(
         self,
@@ -352,7 +350,9 @@ class StandardizationDoor(Door):
                 # the kernel reads the weight's rows where they are, writes the weight's shape.
                 if route is None:
                     return _kernels.standardize_rows(weight, eps, gain, scale)
-                plan = self._plan(weight, eps, gain, scale, route)
+                plan = route.plan  # (self._plan, inline where the route has one)
+                if plan is None:
+                    plan = self._plan(weight, eps, gain, scale, route)
                 return _kernels.planned_standardization(weight, gain, plan)
             if _kernels.available(weight) and (gain is None or _kernels.available(gain)):
                 rows, shape = self.rows(weight, dim, groups)
