@@ -370,8 +370,15 @@ class StandardizationDoor(Door):
         return route.plan
 
     def settings(self, parametrization: Any) -> tuple[object, ...]:
-        gamma = getattr(parametrization, "gamma", 1.0)
-        return parametrization.dim, parametrization.groups, parametrization.eps, gamma
+        # Its _gamma(), 1 for plain WS: not getattr(parametrization, "gamma", 1.0), which
+        # for plain WS raises and catches an AttributeError through nn.Module.__getattr__,
+        # many times the cost of the rest, at every access.
+        return (
+            parametrization.dim,
+            parametrization.groups,
+            parametrization.eps,
+            parametrization._gamma(),
+        )
 
     def resolve(self, parametrization: Any, tensors: tuple[Tensor, ...]) -> Route:
         gain = tensors[1] if len(tensors) > 1 else None
