@@ -123,8 +123,9 @@ class State:
         return tensor is self.tensor and fields_of(tensor) == self.fields
 
     def again(self, fields: Fields) -> State:
-        """The state of the same tensor now, given its :func:`fields_of` now, whose
-        :data:`Meta` is the one recorded (a scope takes every original's state again)."""
+        """The state of the same tensor now, given its :func:`fields_of` now, whose type,
+        layout and ``requires_grad`` are the ones recorded (a scope takes every original's
+        state again)."""
         now = State.__new__(State)
         now.tensor = tensor = self.tensor
         # The same address is the same memory (the storage kept alive holds it): the storage
@@ -134,18 +135,19 @@ class State:
         return now
 
 
-# What can change under a tensor kept by identity without its version: its type, strides,
-# shape, dtype, device (a ``.data`` assignment) and whether it requires grad.
-Meta = tuple[type, tuple[int, ...], torch.Size, torch.dtype, torch.device, bool]
-# Its version and address (a ``.data`` assignment changes the address, not the version),
-# with its :data:`Meta`.
-Fields = tuple[int, int, Meta]
+# What :meth:`State.holds` compares, in one flat tuple: a kept tensor's version, its address
+# (a ``.data`` assignment changes the address, not the version), then what can change under
+# it without a version either: its type, strides, shape, dtype, device (a ``.data``
+# assignment) and whether it requires grad.
+Fields = tuple[int, int, type, tuple[int, ...], torch.Size, torch.dtype, torch.device, bool]
 
 
-def meta_of(tensor: Tensor) -> Meta:
-    """What a kept tensor's :data:`Meta` is now (a scope builds the same tuple inline, see
-    ``_members.holds``)."""
+def fields_of(tensor: Tensor) -> Fields:
+    """A tensor's :data:`Fields` now (a served access builds the same tuple inline, see
+    ``_served.Served``; a scope compares them one by one, see ``_members.holds``)."""
     return (
+        tensor._version,
+        tensor.data_ptr(),
         type(tensor),
         tensor.stride(),
         tensor.shape,
@@ -153,10 +155,3 @@ def meta_of(tensor: Tensor) -> Meta:
         tensor.device,
         tensor.requires_grad,
     )
-
-
-def fields_of(tensor: Tensor) -> Fields:
-    """What :meth:`State.holds` compares of a tensor it kept by identity, in one tuple: its
-    version, address and :data:`Meta` (a served access builds the same tuple inline, see
-    ``_served.Served``)."""
-    return tensor._version, tensor.data_ptr(), meta_of(tensor)

@@ -163,7 +163,7 @@ def holds(grouping: Grouping, members: list[Member]) -> bool:
     """Whether every member is current (:meth:`Member.current`), served by no other open
     scope, and what its fused inputs were found from holds (:func:`stamp`): the same settings,
     and the same tensors in the same dicts with the same type, layout and ``requires_grad``
-    (``_cache.Meta``). Where they do, each member's states are taken again with the versions
+    (``_cache.Fields``). Where they do, each member's states are taken again with the versions
     and addresses now: its weight is computed from these. Inlined here: this runs for every
     member at every scope."""
     if not grouping.reusable:
@@ -203,18 +203,29 @@ def holds(grouping: Grouping, members: list[Member]) -> bool:
                 continue
             if tensor is not state.tensor:
                 return False
-            # _cache.meta_of, inline.
-            meta = (
-                type(tensor),
-                tensor.stride(),
-                tensor.shape,
-                tensor.dtype,
-                tensor.device,
-                tensor.requires_grad,
-            )
-            if meta != state.fields[2]:
+            # _cache.fields_of but the version and address, compared one by one.
+            old = state.fields
+            if (
+                type(tensor) is not old[2]
+                or tensor.stride() != old[3]
+                or tensor.shape != old[4]
+                or tensor.dtype != old[5]
+                or tensor.device != old[6]
+                or tensor.requires_grad != old[7]
+            ):
                 return False
-            check = (owner, key, state.again((tensor._version, tensor.data_ptr(), meta)))
+            # (Element by element: a slice and unpacking would build two more tuples.)
+            fields = (
+                tensor._version,
+                tensor.data_ptr(),
+                old[2],
+                old[3],
+                old[4],
+                old[5],
+                old[6],
+                old[7],
+            )
+            check = (owner, key, state.again(fields))
             found.append(check)
             checks.append(check)
         member.found = tuple(found)

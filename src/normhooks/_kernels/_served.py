@@ -129,14 +129,12 @@ class Served:
                 or (
                     tensor._version,
                     tensor.data_ptr(),
-                    (
-                        type(tensor),
-                        tensor.stride(),
-                        tensor.shape,
-                        tensor.dtype,
-                        tensor.device,
-                        tensor.requires_grad,
-                    ),
+                    type(tensor),
+                    tensor.stride(),
+                    tensor.shape,
+                    tensor.dtype,
+                    tensor.device,
+                    tensor.requires_grad,
                 )
                 != state.fields
             ):
