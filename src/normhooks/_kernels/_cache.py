@@ -122,18 +122,6 @@ class State:
         # One comparison of :func:`fields_of` (the served accesses inline it).
         return tensor is self.tensor and fields_of(tensor) == self.fields
 
-    def again(self, fields: Fields) -> State:
-        """The state of the same tensor now, given its :func:`fields_of` now, whose type,
-        layout and ``requires_grad`` are the ones recorded (a scope takes every original's
-        state again)."""
-        now = State.__new__(State)
-        now.tensor = tensor = self.tensor
-        # The same address is the same memory (the storage kept alive holds it): the storage
-        # object is taken over rather than asked of the tensor again.
-        now.storage = self.storage if fields[1] == self.fields[1] else tensor.untyped_storage()
-        now.fields = fields
-        return now
-
 
 # What :meth:`State.holds` compares, in one flat tuple: a kept tensor's version, its address
 # (a ``.data`` assignment changes the address, not the version), then what can change under

@@ -30,6 +30,8 @@ from normhooks._kernels._cache import State
 from normhooks._kernels._door import Check, Door, Source, door_of
 from normhooks._kernels._served import replaceable
 
+_new_state = State.__new__
+
 
 class Member:
     """A parametrized tensor of the model that a fused launch may compute."""
@@ -225,7 +227,15 @@ def holds(grouping: Grouping, members: list[Member]) -> bool:
                 old[6],
                 old[7],
             )
-            check = (owner, key, state.again(fields))
+            # The state now, made here rather than by a call (this runs for every original
+            # at every scope): the same tensor, its fields now, and its storage object taken
+            # over where the address is the same (the same memory: the storage kept alive
+            # holds it), rather than asked of the tensor again.
+            now = _new_state(State)
+            now.tensor = tensor
+            now.fields = fields
+            now.storage = state.storage if fields[1] == old[1] else tensor.untyped_storage()
+            check = (owner, key, now)
             found.append(check)
             checks.append(check)
         member.found = tuple(found)

@@ -552,16 +552,7 @@ class _Plan:
         length, count, inner, row_contiguous, plan = _layout(v, dim)
         self.dim, self.eps, self.plain = dim, eps, plain
         # The layouts of g and v it was made for (its key's): what a backward compares.
-        self.inputs = (
-            g.shape,
-            g.stride(),
-            g.dtype,
-            g.device,
-            v.shape,
-            v.stride(),
-            v.dtype,
-            v.device,
-        )
+        self.inputs = _inputs(g, v)
         self.count, self.block = count, plan.block
         self.empty = count == 0
         self.split = plan.splits > 1
@@ -614,6 +605,10 @@ def plan(g: Tensor, v: Tensor, dim: int, eps: float, plain: Callable[..., Tensor
     return found
 
 
+def _inputs(g: Tensor, v: Tensor) -> tuple[object, ...]:
+    return g.shape, g.stride(), g.dtype, g.device, v.shape, v.stride(), v.dtype, v.device
+
+
 class _WeightNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, g: Tensor, v: Tensor, plan: _Plan) -> Tensor:
@@ -661,16 +656,7 @@ class _WeightNorm(torch.autograd.Function):
         plan: _Plan = ctx.plan
         if torch.is_grad_enabled():
             return (*_fused.differentiable_grads(plan, (g, v), grad_w), None)
-        if (
-            g.shape,
-            g.stride(),
-            g.dtype,
-            g.device,
-            v.shape,
-            v.stride(),
-            v.dtype,
-            v.device,
-        ) != plan.inputs or (type(g), type(v)) != ctx.types:
+        if _inputs(g, v) != plan.inputs or (type(g), type(v)) != ctx.types:
             # g or v changed layout since the forward (same values, other strides): the plan
             # was made for the old one.
             return (*_fused.formula_grads(plan, (g, v), grad_w), None)
