@@ -22,7 +22,7 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 import torch
 from torch import Tensor
@@ -121,6 +121,11 @@ class State:
         type, layout and ``requires_grad``."""
         # One comparison of :func:`fields_of` (the served accesses inline it).
         return tensor is self.tensor and fields_of(tensor) == self.fields
+
+
+# A served weight's validity check: the dict that holds a tensor it was computed from (a
+# module's ``_parameters`` or ``_buffers``), its key, and the tensor's state then.
+Check = tuple[dict[str, Any], str, State]
 
 
 # What :meth:`State.holds` compares, in one flat tuple: a kept tensor's version, its address

@@ -21,7 +21,7 @@ from torch import Tensor, nn
 
 from normhooks import _kernels, _torch_compat
 from normhooks._kernels import _cpu, _fallback
-from normhooks._kernels._cache import KeyedCache, State
+from normhooks._kernels._cache import KeyedCache
 
 # Where a fused launch finds one of a layer's tensors: the dict that holds it now (a module's
 # ``_parameters`` or ``_buffers``) and its key.
@@ -29,10 +29,6 @@ Source = tuple[dict[str, Any], str]
 
 # The fused launch a layer joins: its launch function, device and dtype.
 FusionGroup = tuple[Callable[..., tuple[Tensor, ...]], torch.device, torch.dtype]
-
-# A served weight's validity check: the dict that holds a tensor it was computed from, its
-# key, and the tensor's state then (see _cache.State).
-Check = tuple[dict[str, Any], str, State]
 
 # What a layer hands a fused launch: the group it joins, its kernel plan and its tensors (None
 # for an optional one it lacks).

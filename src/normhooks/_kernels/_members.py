@@ -26,8 +26,8 @@ from typing import Any
 from torch import Tensor, nn
 
 from normhooks._kernels import _fallback
-from normhooks._kernels._cache import State
-from normhooks._kernels._door import Check, Door, Source, door_of
+from normhooks._kernels._cache import Check, State
+from normhooks._kernels._door import Door, Source, door_of
 from normhooks._kernels._served import replaceable
 
 _new_state = State.__new__

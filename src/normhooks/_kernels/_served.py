@@ -37,7 +37,7 @@ from torch import Tensor, nn
 
 from normhooks import _torch_compat
 from normhooks._kernels import _fallback
-from normhooks._kernels._door import Check
+from normhooks._kernels._cache import Check
 
 _top_saved_tensors_hooks = _torch_compat.top_saved_tensors_hooks
 
