@@ -38,7 +38,7 @@ from normhooks import (
     remove_weight_standardization,
     weight_norm,
 )
-from normhooks._kernels import _scope
+from normhooks._kernels import _members, _scope
 from normhooks._kernels import weight_norm as wn_kernels
 from normhooks._kernels import weight_standardization as ws_kernels
 
@@ -345,7 +345,7 @@ def test_large_models_are_fused_in_groups_of_bounded_size(
     calls: dict[str, int], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Every member's incoming gradient waits for its group's backward."""
-    monkeypatch.setattr(_scope, "MAX_GROUP_NUMEL", 300)
+    monkeypatch.setattr(_members, "MAX_GROUP_NUMEL", 300)
     plain = cnn()
     model = apply_weight_norm(copy.deepcopy(plain))
     zero(calls)

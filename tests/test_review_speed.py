@@ -23,7 +23,7 @@ from normhooks import (
     apply_weight_standardization,
     set_kernels_enabled,
 )
-from normhooks._kernels import _door, _scope
+from normhooks._kernels import _door, _scope, _served
 from normhooks._kernels._cache import KeyedCache
 
 ROUTED = os.environ.get("TRITON_INTERPRET") == "1" and _kernels._triton_found()
@@ -269,7 +269,7 @@ def test_a_layout_whose_fused_plan_failed_is_fused_again_once_the_kernels_are_on
     served: list[bool] = []
     model[0].register_forward_hook(
         lambda m, a, o: served.append(
-            isinstance(m.parametrizations.weight.__dict__.get("forward"), _scope._Served)
+            isinstance(m.parametrizations.weight.__dict__.get("forward"), _served.Served)
         )
     )
     fusable = _kernels.weight_norm_fusable

@@ -211,11 +211,19 @@ def current_raw_stream(device_index: int) -> int:
     return stream
 
 
+# ``torch._C._autograd._top_saved_tensors_default_hooks`` (2.11, 2.13) itself, for a check
+# that runs at every access of a served weight, where a Python call around it is most of
+# its cost: ``top_saved_tensors_hooks(True) is not None`` is :func:`saved_tensors_hooked`.
+top_saved_tensors_hooks: Callable[[bool], object] = (
+    torch._C._autograd._top_saved_tensors_default_hooks
+)
+
+
 def saved_tensors_hooked() -> bool:
     """Whether saved-tensor hooks are active (``torch.autograd.graph.saved_tensors_hooks``:
     non-reentrant activation checkpointing, ``save_on_cpu``), read through
-    ``torch._C._autograd._top_saved_tensors_default_hooks`` (2.13)."""
-    return torch._C._autograd._top_saved_tensors_default_hooks(True) is not None
+    :data:`top_saved_tensors_hooks`."""
+    return top_saved_tensors_hooks(True) is not None
 
 
 def function_apply(function: type[torch.autograd.Function]) -> Callable[..., Any]:

@@ -159,7 +159,7 @@ class WeightNorm(nn.Module):
 
 # The one door to the fast paths (kernels, fused launches, the CPU's fused op): the formula
 # and the checks are this file's, the rest is normhooks._kernels'.
-_DOOR = _door.WeightNormDoor(_weight_norm, WeightNorm._check)
+_DOOR = _door.WeightNormDoor(_weight_norm, WeightNorm._check, _row_norms, _safe_denominator)
 _door.register(WeightNorm, _DOOR)
 
 

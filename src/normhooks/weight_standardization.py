@@ -108,7 +108,9 @@ def standardize_weight(
     _check_groups(weight, axis, groups)
     if gain is not None:
         _check_gain("gain", gain, weight, axis, groups)
-    return _standardize(weight, axis, eps, groups, gain)
+    # Through the kernels where they run (a fused kernel each way, the statistics in float32
+    # for halves).
+    return _DOOR.standardize(weight, axis, eps, groups, gain)
 
 
 def _check_groups(weight: Tensor, dim: int, groups: int) -> None:
@@ -168,21 +170,6 @@ def _formula(
     if gain is not None:
         standardized = standardized * gain.to(standardized.dtype).view(-1, 1)
     return _unrows(standardized.to(weight.dtype), shape, dim, groups)
-
-
-def _standardize(
-    weight: Tensor,
-    dim: int,
-    eps: float,
-    groups: int,
-    gain: Tensor | None,
-    factor: float | None = None,
-    route: _door.Route | None = None,
-) -> Tensor:
-    """:func:`_formula`, through the kernels where they run (a fused kernel each way, the
-    statistics in float32 for halves): every standardization computed, a parametrization's
-    (with its ``route``) and :func:`standardize_weight`'s."""
-    return _DOOR.standardize(weight, dim, eps, groups, gain, factor, route)
 
 
 class WeightStandardization(nn.Module):
@@ -310,14 +297,7 @@ class ScaledWeightStandardization(WeightStandardization):
 
 # The one door to the fast paths (kernels, fused launches): the formula and the checks are
 # this file's, the rest is normhooks._kernels'.
-_DOOR = _door.StandardizationDoor(
-    # _standardize looked up at each call, so that one function counts every computation.
-    _formula,
-    WeightStandardization._check,
-    _rows,
-    _unrows,
-    lambda *args: _standardize(*args),
-)
+_DOOR = _door.StandardizationDoor(_formula, WeightStandardization._check, _rows, _unrows)
 _door.register(WeightStandardization, _DOOR)
 
 

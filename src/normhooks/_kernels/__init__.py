@@ -11,6 +11,9 @@ The layout (each file one concern; only the kernel modules import Triton):
   ``WeightNormDoor``): the checks' outcome kept per layout, the kernels' plan, the fused
   launch it joins, the CPU's fast path (``_cpu``), the fallback (``_fallback``);
 - ``_scope``: the fused scopes (one launch per forward for a model's weights);
+- ``_members``: what a model's fused launches take (its members and their groups) and
+  whether the last scope's groups still hold; ``_served``: the weights a scope serves and
+  when one may still be served;
 - ``_cache``: the one cache type (``KeyedCache``) and the one validity rule (``State``);
 - ``_fallback``: a kernel that fails here warns once and the plain formula takes over;
 - ``_multi``: the one multi-tensor machinery (a table of addresses per set of tensors, rows

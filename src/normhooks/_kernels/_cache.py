@@ -10,7 +10,7 @@ under a tensor without a new object: its version (any in-place op), its storage 
 assignment, which keeps the tensor's identity and version), its shape, strides, dtype and
 device (``model.double()``, ``p.data = p.data.contiguous(memory_format=...)``), and whether it
 requires grad. Where a technique's inputs live (a gain as a Parameter or a buffer) is checked
-by the caller, which keeps the dict it found each one in (see ``_scope``).
+by the caller, which keeps the dict it found each one in (see ``_members``).
 
 What no rule here can see: a write into a tensor's values through ``.data`` (``p.data.mul_(2)``
 bumps the version of the ``.data`` alias, not of ``p``). Outside a forward nothing is served,
@@ -103,100 +103,48 @@ def layout(tensor: Tensor) -> Layout:
 
 
 class State:
-    """A tensor as something was computed from it: :func:`holds` tells whether it still is.
+    """A tensor as something was computed from it: :meth:`holds` tells whether it still is.
 
     Keeps the tensor's storage alive, so that an address equal to the one recorded is the
     same memory (a storage freed by a ``.data`` assignment cannot be reused under it).
     """
 
-    __slots__ = ("address", "fields", "layout", "requires_grad", "storage", "tensor", "version")
+    __slots__ = ("fields", "storage", "tensor")
 
-    def __init__(self, tensor: Tensor, known: Layout | None = None) -> None:
+    def __init__(self, tensor: Tensor) -> None:
         self.tensor = tensor
-        self.version = tensor._version
-        self.address = tensor.data_ptr()
         self.storage = tensor.untyped_storage()
-        self.layout = layout(tensor) if known is None else known
-        self.requires_grad = tensor.requires_grad
-        self.fields = _fields(self)
+        self.fields = fields_of(tensor)
 
     def holds(self, tensor: Tensor | None) -> bool:
         """Whether ``tensor`` is the tensor recorded, unchanged: same object, version, memory,
-        layout and ``requires_grad``."""
-        # One comparison of :func:`fields_of` (the served accesses inline it); the type of the
-        # same object is checked by identity.
+        type, layout and ``requires_grad``."""
+        # One comparison of :func:`fields_of` (the served accesses inline it).
         return tensor is self.tensor and fields_of(tensor) == self.fields
 
 
-Fields = tuple[int, int, tuple[int, ...], torch.Size, torch.dtype, torch.device, bool]
+# A served weight's validity check: the dict that holds a tensor it was computed from (a
+# module's ``_parameters`` or ``_buffers``), its key, and the tensor's state then.
+Check = tuple[dict[str, Any], str, State]
+
+
+# What :meth:`State.holds` compares, in one flat tuple: a kept tensor's version, its address
+# (a ``.data`` assignment changes the address, not the version), then what can change under
+# it without a version either: its type, strides, shape, dtype, device (a ``.data``
+# assignment) and whether it requires grad.
+Fields = tuple[int, int, type, tuple[int, ...], torch.Size, torch.dtype, torch.device, bool]
 
 
 def fields_of(tensor: Tensor) -> Fields:
-    """What :meth:`State.holds` compares of a tensor it kept by identity, in one tuple: its
-    version, address, strides, shape, dtype, device and ``requires_grad`` (a served access
-    builds the same tuple inline, see ``_scope._Served``)."""
+    """A tensor's :data:`Fields` now (a served access builds the same tuple inline, see
+    ``_served.Served``; a scope compares them one by one, see ``_members.holds``)."""
     return (
         tensor._version,
         tensor.data_ptr(),
+        type(tensor),
         tensor.stride(),
         tensor.shape,
         tensor.dtype,
         tensor.device,
         tensor.requires_grad,
     )
-
-
-def _fields(state: State) -> Fields:
-    known = state.layout
-    return (
-        state.version,
-        state.address,
-        known[2],
-        known[1],
-        known[3],
-        known[4],
-        state.requires_grad,
-    )
-
-
-def taken_again(
-    checks: list[tuple[tuple[Any, str, State], ...]],
-) -> list[tuple[tuple[Any, str, State], ...]]:
-    """Each check of each layer with its tensor's state now, where its layout is known to be
-    the one recorded (a scope takes every original's state again, in one call)."""
-    result = []
-    for layer in checks:
-        now_layer = []
-        for owner, key, state in layer:
-            tensor = state.tensor
-            address = tensor.data_ptr()
-            if address != state.address:
-                now = State(tensor, state.layout)
-            else:
-                # The same address is the same memory (the storage kept alive holds it): the
-                # storage object is taken over rather than asked of the tensor again, the
-                # costly read.
-                now = State.__new__(State)
-                now.tensor = tensor
-                now.version = tensor._version
-                now.address = address
-                now.storage = state.storage
-                now.layout = known = state.layout
-                now.requires_grad = tensor.requires_grad
-                now.fields = (
-                    now.version,
-                    address,
-                    known[2],
-                    known[1],
-                    known[3],
-                    known[4],
-                    now.requires_grad,
-                )
-            now_layer.append((owner, key, now))
-        result.append(tuple(now_layer))
-    return result
-
-
-def holds(states: tuple[State, ...], tensors: tuple[Tensor | None, ...]) -> bool:
-    """Whether every tensor is the one its state recorded, unchanged (see :class:`State`)."""
-    return all(s.holds(t) for s, t in zip(states, tensors, strict=True))

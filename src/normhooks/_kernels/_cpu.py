@@ -15,33 +15,16 @@ import torch
 from torch import Tensor
 
 from normhooks import _torch_compat
-from normhooks._precision import HALF_DTYPES
 
 Formula = Callable[[Tensor, Tensor, int | None, float], Tensor]
+# The formula's parts, as the technique writes them: the norms over every axis but ``dim``
+# (kept for broadcasting) and the denominators they give with ``eps``.
+RowNorms = Callable[[Tensor, int | None], Tensor]
+Denominator = Callable[[Tensor, float], Tensor]
 
 _FAST_DTYPES = (torch.float32, torch.float64)
 # Mantissa bits of each: a positive x has ulp(x) / 2 >= x * 2**-(bits + 2).
 _MANTISSA_BITS = {torch.float32: 23, torch.float64: 52}
-
-
-def _norm_dims(ndim: int, dim: int | None) -> list[int]:
-    return [d for d in range(ndim) if d != dim]
-
-
-def _row_norms(tensor: Tensor, dim: int | None) -> Tensor:
-    norms: Tensor = torch.linalg.vector_norm(
-        tensor,
-        dim=_norm_dims(tensor.ndim, dim),
-        keepdim=True,
-        dtype=torch.float32 if tensor.dtype in HALF_DTYPES else None,
-    )
-    return norms
-
-
-def _safe_denominator(norm: Tensor, eps: float) -> Tensor:
-    if eps > 0:
-        return norm + eps
-    return torch.where(norm > 0, norm, torch.ones_like(norm))
 
 
 def eps_vanishes(smallest_norm: float, eps: float, dtype: torch.dtype) -> bool:
@@ -65,9 +48,12 @@ def takes(g: Tensor, v: Tensor) -> bool:
     return v.is_cpu and v.dtype in _FAST_DTYPES and _torch_compat.plain_eager(g, v)
 
 
-def closed_form(formula: Formula) -> type[torch.autograd.Function]:
+def closed_form(
+    formula: Formula, row_norms: RowNorms, denominator_of: Denominator
+) -> type[torch.autograd.Function]:
     """The closed-form Function of ``formula`` (the plain formula, which a double backward
-    goes through): ``apply(g, v, dim, eps)``."""
+    goes through), from its parts ``row_norms(v, dim)`` and ``denominator_of(norm, eps)``:
+    ``apply(g, v, dim, eps)``."""
 
     class _WeightNormFunction(torch.autograd.Function):
         """``g * v / (||v|| + eps)`` with its gradients in closed form, for the CPU.
@@ -82,8 +68,8 @@ def closed_form(formula: Formula) -> type[torch.autograd.Function]:
         @staticmethod
         def forward(ctx: Any, g: Tensor, v: Tensor, dim: int | None, eps: float) -> Tensor:
             ctx.dim, ctx.eps = dim, eps
-            norm = _row_norms(v, dim)
-            denominator = _safe_denominator(norm, eps)
+            norm = row_norms(v, dim)
+            denominator = denominator_of(norm, eps)
             ctx.save_for_backward(g, v, norm, denominator)
             return v * (g / denominator)
 
@@ -115,7 +101,8 @@ def closed_form(formula: Formula) -> type[torch.autograd.Function]:
                     correction = torch.where(denominator == norm, 0.0, correction)
                     grad_v.addcmul_(v, correction)
                 return grad_g, grad_v, None, None
-            dot = (grad_w * v).sum(_norm_dims(v.ndim, ctx.dim), keepdim=True)
+            # Summed over the axes the norms run over.
+            dot = (grad_w * v).sum_to_size(norm.shape)
             scale = g / denominator
             coefficient = -(scale * dot) / (denominator * safe_norm)
             grad_v = torch.mul(grad_w, scale).addcmul_(v, coefficient)

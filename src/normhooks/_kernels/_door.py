@@ -21,7 +21,7 @@ from torch import Tensor, nn
 
 from normhooks import _kernels, _torch_compat
 from normhooks._kernels import _cpu, _fallback
-from normhooks._kernels._cache import KeyedCache, State
+from normhooks._kernels._cache import KeyedCache
 
 # Where a fused launch finds one of a layer's tensors: the dict that holds it now (a module's
 # ``_parameters`` or ``_buffers``) and its key.
@@ -30,13 +30,9 @@ Source = tuple[dict[str, Any], str]
 # The fused launch a layer joins: its launch function, device and dtype.
 FusionGroup = tuple[Callable[..., tuple[Tensor, ...]], torch.device, torch.dtype]
 
-# A served weight's validity check: the dict that holds a tensor it was computed from, its
-# key, and the tensor's state then (see _cache.State).
-Check = tuple[dict[str, Any], str, State]
-
-# What a layer hands a fused launch: the group it joins, its kernel plan, its tensors (None
-# for an optional one it lacks), and a check for each tensor it has.
-FusionInputs = tuple[FusionGroup, object, tuple[Tensor | None, ...], tuple[Check, ...]]
+# What a layer hands a fused launch: the group it joins, its kernel plan and its tensors (None
+# for an optional one it lacks).
+FusionInputs = tuple[FusionGroup, object, tuple[Tensor | None, ...]]
 
 
 class Route:
@@ -139,14 +135,7 @@ class Door(abc.ABC):
             return None
         if group[1].type == "cpu" and not _kernels.routing_cpu_tensors():
             return None
-        checks = tuple(
-            [
-                (owner, key, State(t))
-                for (owner, key), t in zip(sources, tensors, strict=True)
-                if t is not None
-            ]
-        )
-        return group, route.plan, tensors, checks
+        return group, route.plan, tensors
 
     def fusion_group(
         self, parametrization: nn.Module, tensors: tuple[Tensor | None, ...], route: Route
@@ -211,17 +200,24 @@ class WeightNormDoor(Door):
     Args:
         formula: ``formula(g, v, dim, eps)`` in plain differentiable torch ops.
         check: ``check(parametrization, g, v)``: the technique's checks; returns the axis.
+        row_norms: ``row_norms(v, dim)``, the formula's norms over every axis but ``dim``,
+            kept for broadcasting.
+        denominator: ``denominator(norm, eps)``, the formula's divisor of v for those norms.
     """
 
     what = "weight normalization"
 
     def __init__(
-        self, formula: WeightNormFormula, check: Callable[[Any, Tensor, Tensor], int | None]
+        self,
+        formula: WeightNormFormula,
+        check: Callable[[Any, Tensor, Tensor], int | None],
+        row_norms: _cpu.RowNorms,
+        denominator: _cpu.Denominator,
     ) -> None:
         self.formula = formula
         self.check = check
         # The closed-form CPU Function of this formula (tests compare it with the formula).
-        self.closed_form = _cpu.closed_form(formula)
+        self.closed_form = _cpu.closed_form(formula, row_norms, denominator)
 
     def __call__(self, parametrization: Any, g: Tensor, v: Tensor) -> Tensor:
         route = self.route(parametrization, (g, v))
@@ -232,7 +228,9 @@ class WeightNormDoor(Door):
         if dim is not None and _kernels.available(g, v):
             # CUDA with Triton: one fused kernel forward and one backward, exact.
             try:
-                plan = self.plan(parametrization, g, v, route)
+                plan = route.plan  # (self.plan, inline where the route has one)
+                if plan is None:
+                    plan = self.plan(parametrization, g, v, route)
                 return _kernels.planned_weight_norm(g, v, plan)
             except Exception as error:
                 _kernel_failed(error, self.what)
@@ -300,9 +298,6 @@ class StandardizationDoor(Door):
             axis and the gain's factor (None without a gain).
         rows: ``rows(weight, dim, groups)``: the weight as one row per standardized slice,
             and what :func:`unrows` needs to undo it; ``unrows(rows, shape, dim, groups)``.
-        compute: what a parametrization's weight is computed by once its checks passed:
-            ``compute(weight, dim, eps, groups, gain, factor, route)``, the technique's entry
-            into :meth:`standardize` (by default :meth:`standardize` itself).
     """
 
     what = "weight standardization"
@@ -313,18 +308,17 @@ class StandardizationDoor(Door):
         check: Callable[[Any, Tensor, Tensor | None], tuple[int, float | None]],
         rows: Callable[[Tensor, int, int], tuple[Tensor, tuple[int, ...]]],
         unrows: Callable[[Tensor, tuple[int, ...], int, int], Tensor],
-        compute: Callable[..., Tensor] | None = None,
     ) -> None:
         self.formula = formula
         self.check = check
         self.rows = rows
         self.unrows = unrows
-        self.compute: Callable[..., Tensor] = self.standardize if compute is None else compute
 
     def __call__(self, parametrization: Any, weight: Tensor, gain: Tensor | None) -> Tensor:
         route = self.route(parametrization, (weight,) if gain is None else (weight, gain))
-        eps, groups = parametrization.eps, parametrization.groups
-        return self.compute(weight, route.dim, eps, groups, gain, route.factor, route)
+        dim, eps, groups = route.dim, parametrization.eps, parametrization.groups
+        assert dim is not None  # a standardization's checks always find its axis
+        return self.standardize(weight, dim, eps, groups, gain, route.factor, route)
 
     def standardize(
         self,
@@ -352,7 +346,9 @@ class StandardizationDoor(Door):
                 # the kernel reads the weight's rows where they are, writes the weight's shape.
                 if route is None:
                     return _kernels.standardize_rows(weight, eps, gain, scale)
-                plan = self._plan(weight, eps, gain, scale, route)
+                plan = route.plan  # (self._plan, inline where the route has one)
+                if plan is None:
+                    plan = self._plan(weight, eps, gain, scale, route)
                 return _kernels.planned_standardization(weight, gain, plan)
             if _kernels.available(weight) and (gain is None or _kernels.available(gain)):
                 rows, shape = self.rows(weight, dim, groups)
@@ -370,8 +366,15 @@ class StandardizationDoor(Door):
         return route.plan
 
     def settings(self, parametrization: Any) -> tuple[object, ...]:
-        gamma = getattr(parametrization, "gamma", 1.0)
-        return parametrization.dim, parametrization.groups, parametrization.eps, gamma
+        # Its _gamma(), 1 for plain WS: not getattr(parametrization, "gamma", 1.0), which
+        # for plain WS raises and catches an AttributeError through nn.Module.__getattr__,
+        # many times the cost of the rest, at every access.
+        return (
+            parametrization.dim,
+            parametrization.groups,
+            parametrization.eps,
+            parametrization._gamma(),
+        )
 
     def resolve(self, parametrization: Any, tensors: tuple[Tensor, ...]) -> Route:
         gain = tensors[1] if len(tensors) > 1 else None

@@ -33,7 +33,7 @@ import triton.language as tl
 from torch import Tensor
 
 from normhooks._kernels import _fallback, _fused
-from normhooks._kernels._cache import KeyedCache, layout
+from normhooks._kernels._cache import KeyedCache
 from normhooks._kernels._common import (
     RowPlan,
     acc_dtype,
@@ -538,6 +538,7 @@ class _Plan:
         "forward_kernels",
         "g_contiguous",
         "grid",
+        "inputs",
         "partials",
         "plain",
         "sizes",
@@ -550,6 +551,8 @@ class _Plan:
     ) -> None:
         length, count, inner, row_contiguous, plan = _layout(v, dim)
         self.dim, self.eps, self.plain = dim, eps, plain
+        # The layouts of g and v it was made for (its key's): what a backward compares.
+        self.inputs = _inputs(g, v)
         self.count, self.block = count, plan.block
         self.empty = count == 0
         self.split = plan.splits > 1
@@ -602,11 +605,16 @@ def plan(g: Tensor, v: Tensor, dim: int, eps: float, plain: Callable[..., Tensor
     return found
 
 
+def _inputs(g: Tensor, v: Tensor) -> tuple[object, ...]:
+    return g.shape, g.stride(), g.dtype, g.device, v.shape, v.stride(), v.dtype, v.device
+
+
 class _WeightNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, g: Tensor, v: Tensor, plan: _Plan) -> Tensor:
         ctx.plan = plan
-        ctx.layouts = (layout(g), layout(v))
+        # Their layouts are the plan's (it was found for them); their types, kept.
+        ctx.types = (type(g), type(v))
         ctx.save_for_backward(g, v)
         contiguous = v if plan.v_contiguous else v.contiguous()
         weight = torch.empty_like(contiguous)
@@ -648,7 +656,7 @@ class _WeightNorm(torch.autograd.Function):
         plan: _Plan = ctx.plan
         if torch.is_grad_enabled():
             return (*_fused.differentiable_grads(plan, (g, v), grad_w), None)
-        if (layout(g), layout(v)) != ctx.layouts:
+        if _inputs(g, v) != plan.inputs or (type(g), type(v)) != ctx.types:
             # g or v changed layout since the forward (same values, other strides): the plan
             # was made for the old one.
             return (*_fused.formula_grads(plan, (g, v), grad_w), None)

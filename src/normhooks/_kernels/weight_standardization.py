@@ -32,7 +32,7 @@ import triton.language as tl
 from torch import Tensor
 
 from normhooks._kernels import _fallback, _fused
-from normhooks._kernels._cache import KeyedCache, layout
+from normhooks._kernels._cache import KeyedCache
 from normhooks._kernels._common import (
     acc_dtype,
     as_float,
@@ -563,6 +563,7 @@ class _Plan:
         "forward_kernels",
         "gain_contiguous",
         "grid",
+        "inputs",
         "layout",
         "length",
         "sizes",
@@ -572,6 +573,8 @@ class _Plan:
 
     def __init__(self, x: Tensor, eps: float, gain: Tensor | None, factor: float) -> None:
         has_gain = gain is not None
+        # The layouts of x and the gain it was made for (its key's): what a backward compares.
+        self.inputs = _inputs(x, gain)
         self.gain_contiguous = gain is None or gain.is_contiguous()
         count = x.shape[0]
         length = math.prod(x.shape[1:])
@@ -644,11 +647,19 @@ def _partials(count: int, plan: _Plan, stand_in: Tensor) -> tuple[Tensor, Tensor
     return planes[0], planes[1]
 
 
+def _inputs(x: Tensor, gain: Tensor | None) -> tuple[object, ...]:
+    layouts = (x.shape, x.stride(), x.dtype, x.device)
+    return (
+        layouts if gain is None else (*layouts, gain.shape, gain.stride(), gain.dtype, gain.device)
+    )
+
+
 class _Standardize(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: Tensor, gain: Tensor | None, plan: _Plan) -> Tensor:
         ctx.plan = plan
-        ctx.layouts = (layout(x), None if gain is None else layout(gain))
+        # Their layouts are the plan's (it was found for them); their types, kept.
+        ctx.types = (type(x), type(gain))
         result = torch.empty(x.shape, dtype=x.dtype, device=x.device)
         if plan.empty:
             ctx.save_for_backward(x, gain, None)
@@ -697,7 +708,7 @@ class _Standardize(torch.autograd.Function):
         plan: _Plan = ctx.plan
         if torch.is_grad_enabled():
             return (*_fused.differentiable_grads(plan, (x, gain), grad_y), None)
-        if (layout(x), None if gain is None else layout(gain)) != ctx.layouts:
+        if _inputs(x, gain) != plan.inputs or (type(x), type(gain)) != ctx.types:
             # x or the gain changed layout since the forward (same values, other strides): the
             # plan was made for the old one.
             return (*_fused.formula_grads(plan, (x, gain), grad_y), None)
