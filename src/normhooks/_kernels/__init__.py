@@ -10,7 +10,8 @@ The layout (each file one concern; only the kernel modules import Triton):
 - ``_door``: each reparametrization's one entry (``WeightNorm.forward`` calls its
   ``WeightNormDoor``): the checks' outcome kept per layout, the kernels' plan, the fused
   launch it joins, the CPU's fast path (``_cpu``), the fallback (``_fallback``);
-- ``_scope``: the fused scopes (one launch per forward for a model's weights);
+- ``_scope``: the fused scopes (one launch per forward for a model's weights, served by
+  ``serve``);
 - ``_members``: what a model's fused launches take (its members and their groups) and
   whether the last scope's groups still hold; ``_served``: the weights a scope serves and
   when one may still be served;

@@ -39,6 +39,7 @@ import torch
 from torch import nn
 
 from normhooks import _kernels, _parametrize, _torch_compat
+from normhooks._kernels import _fallback
 from normhooks._kernels._members import (
     Group,
     Grouping,
@@ -48,7 +49,7 @@ from normhooks._kernels._members import (
     grouped,
     holds,
 )
-from normhooks._kernels._served import Level, serve
+from normhooks._kernels._served import Level, Served
 
 
 class Fusion:
@@ -232,3 +233,35 @@ def unfuse(model: M) -> M:
         for handle in fusion.handles:
             handle.remove()
     return model
+
+
+def serve(groups: dict[GroupKey, Group], level: Level) -> None:
+    """Computes each group's weights in one launch and serves them to its members for the
+    rest of ``level``'s forward."""
+    on_cuda = any(key[1].type == "cuda" for key, _, _ in groups)
+    if on_cuda and torch.cuda.is_current_stream_capturing():
+        # A captured graph would replay this step's tables: the layers' own kernels.
+        return
+    inference = torch.is_inference_mode_enabled()
+    for (key, needs_grad, _), group in groups.items():
+        launch = key[0]
+        try:
+            if needs_grad and not inference and not torch.is_grad_enabled():
+                with torch.enable_grad():
+                    weights = launch(tuple(group.plans), group.tensors)
+            else:
+                weights = launch(tuple(group.plans), group.tensors)
+        except Exception as error:
+            if isinstance(error, torch.OutOfMemoryError):
+                raise
+            # Its layers compute their own weights, by the plain formula from now on.
+            _fallback.failed("a fused launch", error)
+            return
+        device = key[1]
+        stream = None
+        if device.type == "cuda":
+            stream = (device.index, _torch_compat.current_raw_stream(device.index))
+        for member, weight in zip(group.members, weights, strict=True):
+            served = Served(member.chain, level, weight, member.checks, inference, stream, member)
+            member.chain.__dict__["forward"] = served
+            level.served.append((member.chain, served))

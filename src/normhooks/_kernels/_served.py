@@ -1,4 +1,5 @@
-"""The weights a fused scope serves: how each is launched, and when one may still be served.
+"""The weights a fused scope serves, and when one may still be served (``_scope.serve`` launches
+them).
 
 The member's ``ParametrizationList`` gets an instance ``forward`` (a :class:`Served`) for the
 scope, which torch's parametrized property calls like any forward. It returns the fused
@@ -18,7 +19,7 @@ parametrization, which a deep copy shares with its original (a copy inside the s
 served the original's weight), and a scope left open by a ``KeyboardInterrupt`` would leave
 every parametrization in the process cached.
 
-Grad mode (:func:`serve`): where an original requires grad and autograd can record (not in
+Grad mode (``_scope.serve``): where an original requires grad and autograd can record (not in
 inference mode), the fused weights get their graph even under ``no_grad``, so a weight served
 to code that enables grad inside the forward still trains; a member whose originals require
 no grad gets a weight that requires none. One multi-output autograd node computes every
@@ -30,19 +31,27 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable
 from types import FrameType
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor, nn
 
 from normhooks import _torch_compat
-from normhooks._kernels import _fallback
 from normhooks._kernels._cache import Check
+from normhooks._kernels._door import Door
 
 _top_saved_tensors_hooks = _torch_compat.top_saved_tensors_hooks
 
-if TYPE_CHECKING:
-    from normhooks._kernels._members import Group, GroupKey, Member
+
+class Settled(Protocol):
+    """What a served weight reads of its member (a ``_members.Member``): its door, its
+    parametrization, the settings its fused inputs were found with, and how many frames
+    above an access its scope's forward was found last."""
+
+    door: Door
+    parametrization: Any
+    settings: tuple[object, ...] | None
+    depth: int
 
 
 class Level:
@@ -91,7 +100,7 @@ class Served:
         checks: tuple[Check, ...],
         inference: bool,
         stream: tuple[int, int] | None = None,
-        member: Member | None = None,
+        member: Settled | None = None,
     ) -> None:
         self.chain = chain
         # The settings the weight was computed with (an eps or gamma changed inside the
@@ -190,38 +199,6 @@ class Served:
 
 def _closed(chain: nn.Module) -> Served:
     return Served(chain, CLOSED, None, (), False)
-
-
-def serve(groups: dict[GroupKey, Group], level: Level) -> None:
-    """Computes each group's weights in one launch and serves them to its members for the
-    rest of ``level``'s forward."""
-    on_cuda = any(key[1].type == "cuda" for key, _, _ in groups)
-    if on_cuda and torch.cuda.is_current_stream_capturing():
-        # A captured graph would replay this step's tables: the layers' own kernels.
-        return
-    inference = torch.is_inference_mode_enabled()
-    for (key, needs_grad, _), group in groups.items():
-        launch = key[0]
-        try:
-            if needs_grad and not inference and not torch.is_grad_enabled():
-                with torch.enable_grad():
-                    weights = launch(tuple(group.plans), group.tensors)
-            else:
-                weights = launch(tuple(group.plans), group.tensors)
-        except Exception as error:
-            if isinstance(error, torch.OutOfMemoryError):
-                raise
-            # Its layers compute their own weights, by the plain formula from now on.
-            _fallback.failed("a fused launch", error)
-            return
-        device = key[1]
-        stream = None
-        if device.type == "cuda":
-            stream = (device.index, _torch_compat.current_raw_stream(device.index))
-        for member, weight in zip(group.members, weights, strict=True):
-            served = Served(member.chain, level, weight, member.checks, inference, stream, member)
-            member.chain.__dict__["forward"] = served
-            level.served.append((member.chain, served))
 
 
 def replaceable(existing: object) -> bool:
