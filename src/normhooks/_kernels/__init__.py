@@ -39,7 +39,7 @@ import os
 import warnings
 from collections.abc import Callable, Iterator
 from types import ModuleType
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import Tensor
@@ -192,69 +192,65 @@ def route_cpu_tensors() -> Iterator[None]:
         _route_cpu = previous
 
 
+T = TypeVar("T")
+
+
+def _guarded(what: str, run: Callable[[], T]) -> T | None:
+    """``run()``, a call of a multi-tensor kernel, or None where that kernel failed on this
+    machine before writing anything (warned once, naming ``what``; the kernels are off from
+    then on): the caller then computes the plain formula. Out of memory is the user's error,
+    raised as such."""
+    from normhooks._kernels import _multi
+
+    try:
+        return run()
+    except _multi.KernelFailedError as failure:
+        if isinstance(failure.error, torch.OutOfMemoryError):
+            raise failure.error from None
+        _fallback.failed(what, failure.error)
+        return None
+
+
 # Type checkers see the kernel module's function, whose signature is written once, there; at
 # run time a forwarder imports that module (and Triton) at the first call.
 def lars_unit_(params: list[Tensor], grads: list[Tensor], **settings: Any) -> Tensor | None:
-    """:func:`normhooks._kernels.lars.lars_unit_`, or None where the kernel failed on this
-    machine before writing a gradient (warned once; the kernels are off from then on): the
-    caller then computes the plain formula."""
-    from normhooks._kernels import _multi, lars
+    """:func:`normhooks._kernels.lars.lars_unit_`, or None where the kernel failed (see
+    :func:`_guarded`)."""
+    from normhooks._kernels import lars
 
-    try:
-        return lars.lars_unit_(params, grads, **settings)
-    except _multi.KernelFailedError as failure:
-        if isinstance(failure.error, torch.OutOfMemoryError):
-            raise failure.error from None
-        _fallback.failed("LARS", failure.error)
-        return None
+    return _guarded("LARS", lambda: lars.lars_unit_(params, grads, **settings))
 
 
 def agc_unit_(params: list[Tensor], grads: list[Tensor], **settings: Any) -> Tensor | None:
-    """:func:`normhooks._kernels.agc.agc_unit_`, or None where the kernel failed on this
-    machine before writing a gradient (warned once; the kernels are off from then on): the
-    caller then computes the plain formula."""
-    from normhooks._kernels import _multi, agc
+    """:func:`normhooks._kernels.agc.agc_unit_`, or None where the kernel failed (see
+    :func:`_guarded`)."""
+    from normhooks._kernels import agc
 
-    try:
-        return agc.agc_unit_(params, grads, **settings)
-    except _multi.KernelFailedError as failure:
-        if isinstance(failure.error, torch.OutOfMemoryError):
-            raise failure.error from None
-        _fallback.failed("AGC", failure.error)
-        return None
+    return _guarded("AGC", lambda: agc.agc_unit_(params, grads, **settings))
 
 
 def centralize_unit_(grads: list[Tensor]) -> bool:
     """:func:`normhooks._kernels.gradient_centralization.centralize_unit_`; False where the
-    kernel failed on this machine before writing a gradient (warned once; the kernels are off
-    from then on): the caller then computes the plain formula."""
-    from normhooks._kernels import _multi, gradient_centralization
+    kernel failed (see :func:`_guarded`)."""
+    from normhooks._kernels import gradient_centralization
 
-    try:
+    def run() -> bool:
         gradient_centralization.centralize_unit_(grads)
-    except _multi.KernelFailedError as failure:
-        if isinstance(failure.error, torch.OutOfMemoryError):
-            raise failure.error from None
-        _fallback.failed("gradient centralization", failure.error)
-        return False
-    return True
+        return True
+
+    return _guarded("gradient centralization", run) is not None
 
 
 def trust_ratio_copy(
     params: list[Tensor], flat: Tensor, offsets: Tensor, total: int
 ) -> Tensor | None:
     """:func:`normhooks._kernels.trust_ratio.copy_and_squares`, or None where the kernel failed
-    on this machine (warned once; the kernels are off from then on): the caller then copies
-    the parameters itself."""
-    from normhooks._kernels import _multi, trust_ratio
+    (see :func:`_guarded`): the caller then copies the parameters itself."""
+    from normhooks._kernels import trust_ratio
 
-    try:
-        return trust_ratio.copy_and_squares(params, flat, offsets, total)
-    except _multi.KernelFailedError as failure:
-        if isinstance(failure.error, torch.OutOfMemoryError):
-            raise failure.error from None
-        _fallback.failed("TrustRatio", failure.error)
-        return None
+    return _guarded(
+        "TrustRatio", lambda: trust_ratio.copy_and_squares(params, flat, offsets, total)
+    )
 
 
 def trust_ratio_rescale(
@@ -265,18 +261,15 @@ def trust_ratio_rescale(
     w_squares: Tensor,
     **settings: Any,
 ) -> Tensor | None:
-    """:func:`normhooks._kernels.trust_ratio.rescale_updates`, or None where a kernel failed on
-    this machine before writing a parameter (warned once; the kernels are off from then on):
-    the caller then computes the plain formula from the old values in ``flat``."""
-    from normhooks._kernels import _multi, trust_ratio
+    """:func:`normhooks._kernels.trust_ratio.rescale_updates`, or None where a kernel failed
+    before writing a parameter (see :func:`_guarded`): the caller then computes the plain
+    formula from the old values in ``flat``."""
+    from normhooks._kernels import trust_ratio
 
-    try:
-        return trust_ratio.rescale_updates(params, flat, offsets, total, w_squares, **settings)
-    except _multi.KernelFailedError as failure:
-        if isinstance(failure.error, torch.OutOfMemoryError):
-            raise failure.error from None
-        _fallback.failed("TrustRatio", failure.error)
-        return None
+    return _guarded(
+        "TrustRatio",
+        lambda: trust_ratio.rescale_updates(params, flat, offsets, total, w_squares, **settings),
+    )
 
 
 @functools.cache
