@@ -8,6 +8,7 @@ loop runs more than once); the hook's dispatch is exercised through
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 from collections.abc import Iterator
@@ -316,3 +317,72 @@ def test_a_failing_kernel_warns_once_and_the_eager_hook_takes_over(
     torch.testing.assert_close(kernel_hook.last_ratios, eager_hook.last_ratios, rtol=1e-6, atol=0)
     for a, b in zip(kernel_params, eager_params, strict=True):
         torch.testing.assert_close(a.detach(), b.detach(), rtol=1e-6, atol=1e-7)
+
+
+def _moved(params: list[nn.Parameter]) -> None:
+    params[1].data = params[1].data.clone()  # a new address, the same Parameter
+
+
+def _reshaped(params: list[nn.Parameter]) -> None:
+    params[1].data = params[1].data.view(8, 8)  # the same address and size, another shape
+
+
+def _transposed(params: list[nn.Parameter]) -> None:
+    params[0].data = params[0].data.t()  # the same address, other strides: the eager formula
+
+
+def _to_double(params: list[nn.Parameter]) -> None:
+    params[4].data = params[4].data.double()  # another dtype: a unit of its own
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        pytest.param(None, id="nothing"),
+        pytest.param(_moved, id="data-moved"),
+        pytest.param(_reshaped, id="reshaped-same-address"),
+        pytest.param(_transposed, id="transposed-in-place"),
+        pytest.param(_to_double, id="dtype-changed"),
+    ],
+)
+def test_a_change_between_steps_is_seen_on_the_kernel_path(
+    change: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Whatever changes under the hook between two steps, the kernel path (its tables and the
+    copies' offsets kept from the first step) gives the eager hook's numbers at the second."""
+
+    def train(routed: bool) -> tuple[list[Tensor], Tensor]:
+        torch.manual_seed(0)
+        params = [nn.Parameter(torch.randn(shape)) for shape in SHAPES]
+        optimizer = torch.optim.AdamW(params, lr=1e-2, weight_decay=1e-2)
+        trust = normhooks.TrustRatio()
+        trust.attach(optimizer)
+        for step in range(2):
+            if step == 1 and change is not None:
+                change(params)
+                # AdamW's moments keep the old shape and dtype: it starts afresh, the hook not.
+                optimizer.state.clear()
+            for param in params:
+                param.grad = torch.randn_like(param)
+            with _kernels.route_cpu_tensors() if routed else contextlib.nullcontext():
+                optimizer.step()
+        return [p.detach() for p in params], torch.cat(trust.last_ratios)
+
+    launched: list[int] = []
+    copy_squares = tr_kernels._COPY_SQUARES
+
+    def counted(*args: Any) -> None:
+        launched.append(1)
+        copy_squares(*args)
+
+    monkeypatch.setattr(tr_kernels, "_COPY_SQUARES", counted)
+    got, got_ratios = train(routed=True)
+    want, want_ratios = train(routed=False)
+    # One copy launch per unit and step: a unit of its own for the float64 tensor; none for a
+    # unit holding a transposed parameter (the eager formula).
+    assert len(launched) == {_to_double: 3, _transposed: 1}.get(change, 2)
+    torch.testing.assert_close(got_ratios, want_ratios, rtol=1e-6, atol=0)
+    for a, b in zip(got, want, strict=True):
+        assert a.dtype == b.dtype
+        assert a.shape == b.shape
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
