@@ -432,11 +432,3 @@ def test_under_grad_scaler_a_fused_step_is_the_plain_paths(
     assert ours[2] == plain[2] == (1024.0 if bad is None else 512.0)
     if bad is not None:
         assert torch.equal(ours[0], torch.ones(3, 70, device=DEVICE))
-
-
-@pytest.mark.usefixtures("small_chunks")
-def test_a_span_counted_unlike_the_table_is_an_error() -> None:
-    grads = gradients([(2, 65), (3, 4)], torch.float32)
-    table = _multi.table([grads], ("grads",), _multi.DIM0, gc_kernels._CHUNK, False, "test")
-    with pytest.raises(RuntimeError, match="no longer numbers chunks as"):
-        gc_kernels._span(table, grads[:1])

@@ -56,6 +56,15 @@ def test_chunks_cover_each_row_once_in_order(rows: str) -> None:
         # An empty row still has its one chunk, so its result is written.
         assert len(chunks) == max(1, -(-len(row) // 32))
     assert table.arrivals.tolist() == [0] * table.rows
+    # The span of chunks holding every row of several: from the first such row to the last.
+    per_row = table.row_first_chunk.diff()
+    chunk_of_long_row = torch.repeat_interleave(per_row > 1, per_row).nonzero().flatten()
+    first, count = table.long_rows
+    if chunk_of_long_row.numel():
+        assert first == chunk_of_long_row[0]
+        assert first + count == chunk_of_long_row[-1] + 1
+    else:
+        assert count == 0
     assert table.pointers[0].tolist() == [t.data_ptr() for t in tensors]
 
 
@@ -63,13 +72,13 @@ def test_rows_along_dim0_need_dim0_outermost() -> None:
     weight = torch.randn(4, 3, 2, 2).contiguous(memory_format=torch.channels_last)
     grad = torch.randn(4, 3, 2, 2).contiguous(memory_format=torch.channels_last)
     transposed = torch.randn(3, 4).t()
-    (kept,), _ = _multi.laid_out([[weight]], _multi.WHOLE)
+    (kept,), _ = _multi.laid_out([[weight]], ("w",), _multi.WHOLE)
     assert kept[0] is weight
-    (kept, kept_grads), (_, copied) = _multi.laid_out([[weight], [grad]], _multi.DIM0)
+    (kept, kept_grads), (_, copied) = _multi.laid_out([[weight], [grad]], ("w", "g"), _multi.DIM0)
     assert kept[0] is weight
     assert kept_grads[0] is grad
     assert not copied
-    (copies,), (pairs,) = _multi.laid_out([[transposed]], _multi.DIM0)
+    (copies,), (pairs,) = _multi.laid_out([[transposed]], ("w",), _multi.DIM0)
     assert copies[0].is_contiguous()
     assert pairs == [(transposed, copies[0])]
 
@@ -77,7 +86,9 @@ def test_rows_along_dim0_need_dim0_outermost() -> None:
 def test_paired_tensors_laid_out_alike() -> None:
     param = torch.randn(4, 3).t()
     grad = torch.randn(3, 4)
-    (params, grads), (param_pairs, grad_pairs) = _multi.laid_out([[param], [grad]], _multi.WHOLE)
+    (params, grads), (param_pairs, grad_pairs) = _multi.laid_out(
+        [[param], [grad]], ("params", "grads"), _multi.WHOLE
+    )
     assert params[0].is_contiguous()
     assert grads[0] is grad
     assert [p for p, _ in param_pairs] == [param]

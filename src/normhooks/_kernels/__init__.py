@@ -199,12 +199,14 @@ def _guarded(what: str, run: Callable[[], T]) -> T | None:
     """``run()``, a call of a multi-tensor kernel, or None where that kernel failed on this
     machine before writing anything (warned once, naming ``what``; the kernels are off from
     then on): the caller then computes the plain formula. Out of memory is the user's error,
-    raised as such."""
+    raised as such. Every table of addresses is dropped on a failure: a launch stopped part
+    way may have left a row's count of arrived programs above zero (see ``_multi``)."""
     from normhooks._kernels import _multi
 
     try:
         return run()
     except _multi.KernelFailedError as failure:
+        _multi.drop_tables()
         if isinstance(failure.error, torch.OutOfMemoryError):
             raise failure.error from None
         _fallback.failed(what, failure.error)

@@ -18,7 +18,9 @@ A table's content is a function of its key (device, dtype, chunk size, how rows 
 tensors' sizes or, for rows along dim 0, shapes, and their addresses), so a table found in the
 cache is never stale: a tensor that moves or changes size makes a new key. That is the whole
 validity rule of what this module keeps, with one exception: a launch that fails drops every
-table (:func:`launch_failed`).
+table (:func:`drop_tables`, called by ``normhooks._kernels._guarded``): one stopped part way
+may have left a row's count of arrived programs above zero, which a later launch must not
+find.
 Tensors whose rows are not laid out as the kernels read them go through contiguous copies
 (:func:`laid_out`), and their tables are made again at every call.
 """
@@ -59,15 +61,11 @@ class KernelFailedError(Exception):
         self.error = error
 
 
-def launch_failed(error: Exception) -> KernelFailedError:
-    """The error a multi-tensor kernel raises when its compile or launch failed with ``error``.
-
-    Every table made so far is dropped: a launch that stopped part way may have left a row's
-    count of arrived programs above zero, and a later launch (once the kernels are turned on
-    again) must not find it. Tables a CUDA graph captured stay: the graph replays them.
-    """
+def drop_tables() -> None:
+    """Drops every table (not those a CUDA graph captured, which its replays read): after a
+    launch that failed, which may have stopped part way and left a row's count of arrived
+    programs above zero."""
     _tables.clear()
-    return KernelFailedError(error)
 
 
 def row_count(shape: torch.Size, rows: str) -> int:
@@ -90,6 +88,8 @@ class ChunkTable(DeviceTable):
         arrivals: for each row, how many of its programs have written their partial sums; the
             last one resets it, so the table leaves every launch as it found it.
         chunks, rows: how many of each (the grid's size, the number of results).
+        long_rows: ``(first, count)``, the span of chunks that holds every row of several
+            chunks (``count`` 0 where there is none), for a launch over those rows only.
     """
 
     def __init__(self, lists: Sequence[Sequence[Tensor]], rows: str, chunk: int) -> None:
@@ -98,11 +98,13 @@ class ChunkTable(DeviceTable):
         chunk_start: list[int] = []
         chunk_stop: list[int] = []
         row_first_chunk = [0]
+        long_first, long_stop = 0, 0
         for index, tensor in enumerate(lists[0]):
             count = row_count(tensor.shape, rows)
             length = tensor.numel() // count
             for row in range(count):
                 begin, end = row * length, (row + 1) * length
+                first = len(chunk_tensor)
                 # An empty row still gets one chunk, so its result is written.
                 for start in range(begin, max(end, begin + 1), chunk):
                     chunk_tensor.append(index)
@@ -110,8 +112,12 @@ class ChunkTable(DeviceTable):
                     chunk_start.append(start)
                     chunk_stop.append(min(start + chunk, end))
                 row_first_chunk.append(len(chunk_tensor))
+                if len(chunk_tensor) - first > 1:
+                    long_first = first if long_stop == 0 else long_first
+                    long_stop = len(chunk_tensor)
         self.chunks = len(chunk_tensor)
         self.rows = len(row_first_chunk) - 1
+        self.long_rows = (long_first, long_stop - long_first)
         table = [
             *[[t.data_ptr() for t in tensors] for tensors in lists],
             chunk_tensor,
@@ -134,6 +140,18 @@ class ChunkTable(DeviceTable):
             self.row_first_chunk,
             self.arrivals,
         ) = parts[len(lists) :]
+
+    @property
+    def located(self) -> tuple[Tensor, ...]:
+        """Each list's addresses, then where each chunk lies: the arguments every kernel on the
+        table takes first (``chunk_at``, ``tensor_at``)."""
+        return (
+            *self.pointers,
+            self.chunk_tensor,
+            self.chunk_row,
+            self.chunk_start,
+            self.chunk_stop,
+        )
 
     def use_on(self, stream: int | None, capturing: bool = False) -> None:
         """Makes the table safe to launch with on the current stream (see
@@ -214,16 +232,11 @@ def table(
 
 
 def check(lists: Sequence[Sequence[Tensor]], names: Sequence[str]) -> None:
-    """One device and dtype, a dtype the kernels take, equal shapes at each position."""
+    """One device and dtype, a dtype the kernels take, equal shapes at each position (the lists
+    pair up: :func:`laid_out` says so first)."""
     first = lists[0]
     device, dtype = first[0].device, first[0].dtype
     _tl_dtype(dtype)
-    for tensors, name in zip(lists, names, strict=True):
-        if len(tensors) != len(first):
-            raise ValueError(
-                f"{names[0]} and {name} must pair up, got {len(first)} {names[0]} and "
-                f"{len(tensors)} {name}"
-            )
     for index, reference in enumerate(first):
         for tensors, name in zip(lists, names, strict=True):
             tensor = tensors[index]
@@ -263,15 +276,22 @@ def _readable(tensor: Tensor, rows: str) -> bool:
 
 
 def laid_out(
-    lists: Sequence[list[Tensor]], rows: str
+    lists: Sequence[list[Tensor]], names: Sequence[str], rows: str
 ) -> tuple[list[list[Tensor]], list[list[tuple[Tensor, Tensor]]]]:
-    """``lists`` as the kernels can read them, and for each list its (original, copy) pairs.
+    """``lists`` as the kernels can read them, and for each list its (original, copy) pairs;
+    ``names`` for the error where the lists do not pair up.
 
     At each position the tensors of every list must be laid out alike (a value is found at the
     same offset in each) and readable (:func:`_readable`); where not, each list's tensor there
     is replaced by a contiguous copy. The caller copies back the copies of the lists its
     kernel writes.
     """
+    for tensors, name in zip(lists[1:], names[1:], strict=True):
+        if len(tensors) != len(lists[0]):
+            raise ValueError(
+                f"{names[0]} and {name} must pair up, got {len(lists[0])} {names[0]} and "
+                f"{len(tensors)} {name}"
+            )
     copied: list[list[tuple[Tensor, Tensor]]] = [[] for _ in lists]
     if all(all(map(Tensor.is_contiguous, tensors)) for tensors in lists):
         return [list(tensors) for tensors in lists], copied

@@ -288,11 +288,7 @@ def agc_unit_(
         Each tensor's largest ratio :math:`\|G_i\| / b_i` before clipping (0 for a zero
         gradient), 1-D, in float32 for half dtypes and in the dtype otherwise.
     """
-    if len(params) != len(grads):
-        raise ValueError(
-            f"params and grads must pair up, got {len(params)} params and {len(grads)} grads"
-        )
-    if not params:
+    if not params and not grads:
         return torch.empty(0)
     device, dtype = params[0].device, params[0].dtype
     acc = compute_dtype(dtype)
@@ -301,7 +297,9 @@ def agc_unit_(
             "found_inf must be a 1-element float32 tensor (GradScaler's flag), got "
             f"{found_inf.dtype} with {found_inf.numel()} elements"
         )
-    (params, grads), (_, copied) = _multi.laid_out([params, grads], _multi.DIM0)
+    (params, grads), (_, copied) = _multi.laid_out(
+        [params, grads], ("params", "grads"), _multi.DIM0
+    )
     scalars = (bits(clipping), bits(eps))
     index = device_index(device)
     with on_device(index):
@@ -371,11 +369,7 @@ def _launch(
         grid,
         index,
         (table.storage, scale),
-        *table.pointers,
-        table.chunk_tensor,
-        table.chunk_row,
-        table.chunk_start,
-        table.chunk_stop,
+        *table.located,
         table.row_first_chunk,
         table.arrivals,
         scratch,

@@ -16,7 +16,6 @@ which their table says (a function of their shapes, so no value is read back to 
 
 from __future__ import annotations
 
-import weakref
 from typing import Any, NamedTuple
 
 import torch
@@ -111,7 +110,7 @@ def _subtract_means(  # type: ignore[no-untyped-def]
     acc: tl.constexpr,
     block: tl.constexpr,
 ):
-    # One program per chunk from chunk ``first`` on (see _span).
+    # One program per chunk from chunk ``first`` on (the table's ``long_rows``).
     _, tensor, row, start, stop = chunk_at(
         chunk_tensor + first, chunk_row + first, chunk_start + first, chunk_stop + first
     )
@@ -135,40 +134,6 @@ class _Variants(NamedTuple):
     """Where no row has several chunks, the kernel never touches partials or means: this
     tensor stands for both, so that such a call (every call for most models) allocates
     nothing."""
-
-
-# The span of chunks that holds every row of several chunks, by table (see _span); an entry is
-# found again only for the table it was computed from, which is alive, and whose content does
-# not change: valid by construction.
-_spans: KeyedCache[int, tuple[weakref.ref[_multi.ChunkTable], int, int]] = KeyedCache(
-    _multi.CACHE_SIZE
-)
-
-
-def _span(table: _multi.ChunkTable, grads: list[Tensor]) -> tuple[int, int]:
-    """``(first, count)``: the chunks from ``first`` to ``first + count`` hold every row of
-    several chunks of ``table`` (of ``grads``), so that the second launch runs one program per
-    chunk there rather than over every chunk. Numbered as the table numbers them: tensor
-    after tensor, row after row, one chunk per ``_CHUNK`` values, one for an empty row.
-    """
-    found = _spans.get(id(table))
-    if found is not None and found[0]() is table:
-        return found[1], found[2]
-    first, last, position = table.chunks, 0, 0
-    for grad in grads:
-        rows = _multi.row_count(grad.shape, _multi.DIM0)
-        per_row = max(1, -(-(grad.numel() // rows) // _CHUNK))
-        if per_row > 1:
-            first, last = min(first, position), position + rows * per_row
-        position += rows * per_row
-    if position != table.chunks or first >= last:
-        raise RuntimeError(
-            f"gradient centralization counted {position} chunks, with rows of several from "
-            f"{first} to {last}, in a table of {table.chunks}: _span no longer numbers "
-            "chunks as normhooks._kernels._multi.ChunkTable does"
-        )
-    _spans.put(id(table), (weakref.ref(table), first, last - first))
-    return first, last - first
 
 
 # By everything Triton specializes both kernels on except the alignment of the pointers that
@@ -200,7 +165,7 @@ def centralize_unit_(grads: list[Tensor]) -> None:
     if not grads:
         return
     device, dtype = grads[0].device, grads[0].dtype
-    (grads,), (copied,) = _multi.laid_out([grads], _multi.DIM0)
+    (grads,), (copied,) = _multi.laid_out([grads], ("grads",), _multi.DIM0)
     with on_device(device_index(device)):
         captured = _multi.capturing(device)
         table = _multi.table(
@@ -211,15 +176,12 @@ def centralize_unit_(grads: list[Tensor]) -> None:
             (device, dtype, _BLOCK, _PARTIALS_BLOCK),
             lambda: _Variants({}, {}, torch.empty(2, dtype=acc, device=device)),
         )
-        # Each row has one chunk at least: more chunks than rows means a row of several.
-        several = table.chunks > table.rows
         partials = means = variants.unused
-        if several:
+        if table.long_rows[1]:
             partials = torch.empty(2 * table.chunks, dtype=acc, device=device)
             means = torch.empty(table.rows, dtype=acc, device=device)
-        span = _span(table, grads) if several else (0, 0)
         try:
-            _launch(table, partials, means, variants, dtype, span)
+            _launch(table, partials, means, variants, dtype)
         except Exception as error:
             # The caller computes the plain formula (normhooks._kernels.centralize_unit_).
             # A failure comes before the first write, or between the launches: then the rows
@@ -235,7 +197,6 @@ def _launch(
     means: Tensor,
     variants: _Variants,
     dtype: torch.dtype,
-    span: tuple[int, int],
 ) -> None:
     """The launches of :func:`centralize_unit_`."""
     grid = (table.chunks, 1)
@@ -246,11 +207,7 @@ def _launch(
         grid,
         index,
         (table.storage, partials, means),
-        *table.pointers,
-        table.chunk_tensor,
-        table.chunk_row,
-        table.chunk_start,
-        table.chunk_stop,
+        *table.located,
         table.row_first_chunk,
         table.arrivals,
         partials,
@@ -260,18 +217,14 @@ def _launch(
         _BLOCK,
         _PARTIALS_BLOCK,
     )
-    first, count = span
+    first, count = table.long_rows
     if count:
         _SUBTRACT_MEANS(
             variants.second,
             (count, 1),
             index,
             (table.storage, means),
-            *table.pointers,
-            table.chunk_tensor,
-            table.chunk_row,
-            table.chunk_start,
-            table.chunk_stop,
+            *table.located,
             table.row_first_chunk,
             means,
             first,

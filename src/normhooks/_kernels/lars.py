@@ -317,10 +317,6 @@ def lars_unit_(
     """
     if not params and not grads:
         return torch.empty(0)
-    if len(params) != len(grads):
-        raise ValueError(
-            f"params and grads must pair up, got {len(params)} params and {len(grads)} grads"
-        )
     device, dtype = params[0].device, params[0].dtype
     acc = compute_dtype(dtype)
     if found_inf is not None and (found_inf.dtype != torch.float32 or found_inf.numel() != 1):
@@ -328,7 +324,9 @@ def lars_unit_(
             "found_inf must be a 1-element float32 tensor (GradScaler's flag), got "
             f"{found_inf.dtype} with {found_inf.numel()} elements"
         )
-    (params, grads), (_, copied) = _multi.laid_out([params, grads], _multi.WHOLE)
+    (params, grads), (_, copied) = _multi.laid_out(
+        [params, grads], ("params", "grads"), _multi.WHOLE
+    )
     lr_is_tensor = isinstance(lr, Tensor)
     clipping = clip and lr is not None
     scalars = (
@@ -402,7 +400,7 @@ def lars_unit_(
         except Exception as error:
             # A kernel that cannot compile or launch here fails before it writes: the caller
             # computes the plain formula (normhooks._kernels.lars_unit_).
-            raise _multi.launch_failed(error) from error
+            raise _multi.KernelFailedError(error) from error
     for grad, copy in copied:
         grad.copy_(copy)
     return rates
@@ -431,11 +429,7 @@ def _launch(
         grid,
         index,
         (table.storage, scale, lr_tensor),
-        *table.pointers,
-        table.chunk_tensor,
-        table.chunk_row,
-        table.chunk_start,
-        table.chunk_stop,
+        *table.located,
         table.row_first_chunk,
         table.arrivals,
         partials,
@@ -455,11 +449,7 @@ def _launch(
         grid,
         index,
         (table.storage, scale, flag),
-        *table.pointers,
-        table.chunk_tensor,
-        table.chunk_row,
-        table.chunk_start,
-        table.chunk_stop,
+        *table.located,
         rates,
         scale,
         flag,

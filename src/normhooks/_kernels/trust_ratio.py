@@ -349,11 +349,7 @@ def copy_and_squares(params: list[Tensor], flat: Tensor, offsets: Tensor, total:
                 (table.chunks, 1),
                 device_index(device),
                 (table.storage, flat, offsets),
-                *table.pointers,
-                table.chunk_tensor,
-                table.chunk_row,
-                table.chunk_start,
-                table.chunk_stop,
+                *table.located,
                 table.row_first_chunk,
                 table.arrivals,
                 partials,
@@ -367,7 +363,7 @@ def copy_and_squares(params: list[Tensor], flat: Tensor, offsets: Tensor, total:
                 _PARTIALS_BLOCK,
             )
         except Exception as error:
-            raise _multi.launch_failed(error) from error
+            raise _multi.KernelFailedError(error) from error
     return squares
 
 
@@ -449,11 +445,7 @@ def rescale_updates(
                 grid,
                 index,
                 (table.storage, flat, offsets, lr_tensor, squares),
-                *table.pointers,
-                table.chunk_tensor,
-                table.chunk_row,
-                table.chunk_start,
-                table.chunk_stop,
+                *table.located,
                 table.row_first_chunk,
                 table.arrivals,
                 partials,
@@ -475,11 +467,7 @@ def rescale_updates(
                 grid,
                 index,
                 (table.storage, flat, offsets),
-                *table.pointers,
-                table.chunk_tensor,
-                table.chunk_row,
-                table.chunk_start,
-                table.chunk_stop,
+                *table.located,
                 flat,
                 offsets,
                 ratios,
@@ -489,5 +477,5 @@ def rescale_updates(
                 _CHUNK,
             )
         except Exception as error:
-            raise _multi.launch_failed(error) from error
+            raise _multi.KernelFailedError(error) from error
     return ratios
