@@ -100,3 +100,17 @@ def test_a_pending_model_pickled_now_names_the_layer_by_its_old_path() -> None:
     ours = {module for module, _ in names if module.startswith("normhooks._parametrize")}
     assert ours == {"normhooks._parametrize"}
     assert ("normhooks._parametrize", "_Deferred") in names
+
+
+def test_unfusing_a_model_fused_before_it_was_pickled_removes_its_hooks() -> None:
+    """A scope pickled by the old layout holds no handles to its hooks: unfusing finds them
+    as fusion_of does."""
+    from normhooks._kernels import _scope
+
+    model = torch.load(GOLDEN / CASES["wn"][0], weights_only=False)
+    assert _scope.fusion_of(model) is not None
+    _scope.unfuse(model)
+    assert _scope.fusion_of(model) is None
+    assert not model._forward_pre_hooks
+    assert not model._forward_hooks
+    assert not model._forward_hooks_always_called

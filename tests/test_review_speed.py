@@ -289,3 +289,67 @@ def test_a_layout_whose_fused_plan_failed_is_fused_again_once_the_kernels_are_on
     finally:
         set_kernels_enabled(True)
     assert served == [False, True]
+
+
+# --- what the fused scope must not skip (review of 2026-12-02) ----------------------------------
+
+
+class Doubled(nn.Module):
+    def forward(self, weight: Tensor) -> Tensor:
+        return 2.0 * weight
+
+
+def test_a_parametrization_added_inside_the_forward_is_applied(route: str) -> None:
+    """A pre-hook registering a second parametrization on the weight: the layer's access gets
+    the whole chain, not the first parametrization's fused weight."""
+
+    def add_second(module: nn.Module, args: object) -> None:
+        if len(module.parametrizations.weight) == 1:
+            parametrize.register_parametrization(module, "weight", Doubled())
+
+    def build() -> nn.Module:
+        model = apply_weight_norm(cnn())
+        model[2].register_forward_pre_hook(add_second)
+        return model
+
+    assert_trains_as_without_kernels(build)
+
+
+def test_hooks_on_the_parametrization_run_on_the_fused_path(route: str) -> None:
+    def double(module: nn.Module, args: object, output: Tensor) -> Tensor:
+        return 2.0 * output
+
+    def build() -> nn.Module:
+        model = apply_weight_standardization(cnn())
+        model[0].parametrizations.weight[0].register_forward_hook(double)
+        return model
+
+    assert_trains_as_without_kernels(build)
+
+
+def test_global_forward_hooks_run_on_the_fused_path(route: str) -> None:
+    def shift(module: nn.Module, args: object, output: object) -> object:
+        if isinstance(module, (WeightNorm, WeightStandardization)):
+            return output + 0.5  # type: ignore[operator]
+        return None
+
+    handle = nn.modules.module.register_module_forward_hook(shift)
+    try:
+        assert_trains_as_without_kernels(lambda: apply_weight_norm(cnn()))
+    finally:
+        handle.remove()
+
+
+def test_a_scaled_gain_set_as_a_plain_attribute_is_used(route: str) -> None:
+    """``del ws.gain; ws.gain = t``: the gain is neither a Parameter nor a buffer, which a
+    fused launch cannot watch; the layer computes its own weight with it."""
+
+    def build() -> nn.Module:
+        model = apply_weight_standardization(cnn(), scaled=True, gamma=1.3)
+        technique = model[0].parametrizations.weight[0]
+        gain = technique.gain.detach() * 3.0
+        del technique.gain
+        technique.gain = gain
+        return model
+
+    assert_trains_as_without_kernels(build)

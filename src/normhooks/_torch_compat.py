@@ -245,8 +245,37 @@ def function_apply(function: type[torch.autograd.Function]) -> Callable[..., Any
 
 def forward_pre_hooks(module: nn.Module) -> list[object]:
     """The forward pre-hooks registered on ``module``, read only (``_forward_pre_hooks``:
-    2.11, 2.13); normhooks removes its own through their handles."""
+    2.11, 2.13)."""
     return list(module._forward_pre_hooks.values())
+
+
+def forward_hooked(module: nn.Module | None) -> bool:
+    """Whether ``module`` has forward hooks or pre-hooks of its own (``_forward_hooks``,
+    ``_forward_pre_hooks``: 2.11, 2.13), which a computation that skips its call skips too."""
+    return module is not None and bool(module._forward_hooks or module._forward_pre_hooks)
+
+
+def global_forward_hooks() -> bool:
+    """Whether global forward hooks or pre-hooks are registered, which every module call runs
+    (torch.nn.modules.module's ``_global_forward_hooks``, ``_global_forward_pre_hooks``:
+    2.11, 2.13)."""
+    from torch.nn.modules import module as module_py
+
+    return bool(module_py._global_forward_hooks or module_py._global_forward_pre_hooks)
+
+
+def remove_forward_hooks(module: nn.Module, remove: Callable[[object], bool]) -> None:
+    """Removes from ``module`` every forward hook and pre-hook for which ``remove`` is true,
+    as their handles would (every dict a handle clears: 2.11, 2.13)."""
+    for hooks in (module._forward_pre_hooks, module._forward_hooks):
+        for key in [key for key, hook in hooks.items() if remove(hook)]:
+            del hooks[key]
+            for extra in (
+                module._forward_pre_hooks_with_kwargs,
+                module._forward_hooks_with_kwargs,
+                module._forward_hooks_always_called,
+            ):
+                extra.pop(key, None)
 
 
 def load_state_dict_pre_hooks(module: nn.Module) -> list[object]:

@@ -388,7 +388,12 @@ class StandardizationDoor(Door):
         # A gain is found where it lives now: a Parameter, or a buffer (a frozen gain). Plain
         # WS has none: the launch gets None in its place.
         own = parametrization._parameters
-        where = own if "gain" in own else parametrization._buffers
+        if "gain" in own:
+            where = own
+        elif "gain" in parametrization._buffers or "gain" not in parametrization.__dict__:
+            where = parametrization._buffers
+        else:
+            return None  # a gain set as a plain attribute: no dict a launch can watch
         return (originals, "original"), (where, "gain")
 
     def fusion_plan(

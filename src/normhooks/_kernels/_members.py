@@ -29,6 +29,7 @@ from normhooks._kernels import _fallback
 from normhooks._kernels._cache import Check, State
 from normhooks._kernels._door import Door, Source, door_of
 from normhooks._kernels._served import replaceable
+from normhooks._torch_compat import forward_hooked
 
 _new_state = State.__new__
 
@@ -82,7 +83,11 @@ class Member:
         if holder is not self.holder or self.holder._modules.get(self.name) is not self.chain:
             return False
         modules = self.chain._modules
-        return modules.get("0") is self.parametrization and "1" not in modules
+        return (
+            modules.get("0") is self.parametrization
+            and "1" not in modules
+            and not forward_hooked(self.parametrization)
+        )
 
 
 def candidates(module: nn.Module) -> Iterator[str]:
@@ -100,7 +105,10 @@ def candidates(module: nn.Module) -> Iterator[str]:
         return
     for name, chain in holder.items():
         modules = chain._modules
-        if len(modules) == 1 and door_of(modules.get("0")) is not None:
+        first = modules.get("0")
+        # A parametrization with hooks of its own is called, so that they run.
+        fusable = len(modules) == 1 and first is not None and door_of(first) is not None
+        if fusable and not forward_hooked(first):
             yield name
 
 
@@ -181,6 +189,8 @@ def holds(grouping: Grouping, members: list[Member]) -> bool:
         first = modules.get("0")
         # (Never None: a member's parametrization has a door.)
         if first is None or first is not member.parametrization or "1" in modules:
+            return False
+        if first._forward_hooks or first._forward_pre_hooks:  # _torch_compat.forward_hooked
             return False
         existing = chain.__dict__.get("forward")
         if existing is not None and not replaceable(existing):

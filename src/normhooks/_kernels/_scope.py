@@ -61,7 +61,6 @@ class Fusion:
         self.lazy: list[nn.Module] = []
         self.levels: list[Level] = []
         self.grouping: Grouping | None = None
-        self.handles: tuple[Any, ...] = ()
         self.collect()
 
     def collect(self) -> None:
@@ -84,7 +83,6 @@ class Fusion:
             "model": self.model,
             "members": self.members,
             "lazy": self.lazy,
-            "handles": self.handles,
         }
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -93,7 +91,6 @@ class Fusion:
         self.lazy = state["lazy"]
         self.levels = []
         self.grouping = None
-        self.handles = state.get("handles", ())
 
     # --- the scope ------------------------------------------------------------------------
 
@@ -124,6 +121,9 @@ class Fusion:
     def _groups(self) -> dict[GroupKey, Group]:
         """This scope's groups: the last scope's, where nothing they were found from changed
         (checking that reads no tensor's values), else found again."""
+        if _torch_compat.global_forward_hooks():
+            # Every module call runs them, a parametrization's too: each layer its own path.
+            return {}
         routing = _kernels.routing_cpu_tensors()
         grouping = self.grouping
         if grouping is not None and grouping.routing == routing and holds(grouping, self.members):
@@ -217,10 +217,8 @@ def fuse(model: M) -> M:
         fusion.collect()
         return model
     fusion = Fusion(model)
-    fusion.handles = (
-        model.register_forward_pre_hook(_Open(fusion)),
-        model.register_forward_hook(_Close(fusion), always_call=True),
-    )
+    model.register_forward_pre_hook(_Open(fusion))
+    model.register_forward_hook(_Close(fusion), always_call=True)
     return model
 
 
@@ -230,8 +228,10 @@ def unfuse(model: M) -> M:
     if fusion is not None:
         for level in fusion.levels:
             level.close()
-        for handle in fusion.handles:
-            handle.remove()
+        # Found as fusion_of finds them (a Fusion unpickled has no handles to remove them by).
+        _torch_compat.remove_forward_hooks(
+            model, lambda hook: isinstance(hook, (_Open, _Close)) and hook.fusion is fusion
+        )
     return model
 
 

@@ -125,6 +125,8 @@ class Served:
         weight = self.weight
         if (
             weight is None
+            # A parametrization registered on the tensor inside the forward: the whole chain.
+            or "1" in self.chain._modules
             or (not self.inference and weight._version != self.version)
             or weight.data_ptr() != self.address
         ):
