@@ -209,6 +209,35 @@ def test_a_lars_kernel_with_another_zero_gradient_rule_is_a_mismatch(
 
 
 @routed
+def test_a_kernel_that_falls_back_to_the_formula_fails_its_line_and_not_the_next(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Its numbers would match the formula's without a kernel having run; the next line runs
+    its own kernel again."""
+    from normhooks._kernels import agc as agc_kernels
+
+    def fail(*args: Any) -> None:
+        raise RuntimeError("no kernel image for this device")
+
+    monkeypatch.setattr(agc_kernels, "_launch", fail)
+    centralize, ran = _kernels.centralize_unit_, []
+
+    def recorded(grads: list[torch.Tensor]) -> bool:
+        ran.append(centralize(grads))
+        return ran[-1]
+
+    monkeypatch.setattr(_kernels, "centralize_unit_", recorded)
+    checks = ["AdaptiveGradientClipping", "GradientCentralization"]
+    status, printed = _routed(checks=checks, dtypes=[torch.float32])
+    assert re.search(r"AdaptiveGradientClipping +float32 +FAILED \(exception .*fell back", printed)
+    assert re.search(r"GradientCentralization +float32 +ok \(max error", printed), printed
+    assert status == 1
+    assert ran  # the next line's kernel ran, and did not fall back
+    assert all(ran)
+    assert not _kernels._fallback.broken()
+
+
+@routed
 def test_an_agc_kernel_clipping_a_little_harder_is_a_mismatch(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -35,6 +35,7 @@ from torch import Tensor
 
 import normhooks
 from normhooks import _kernels
+from normhooks._kernels import _fallback
 from normhooks._selfcheck_cases import (
     CASES,
     CUDA_SIZES,
@@ -219,8 +220,13 @@ def check_case(case: Case, dtype: torch.dtype, device: torch.device, s: Sizes) -
         warnings.simplefilter("always")
         try:
             setup = SETUPS.get(case.technique, Layers)(case, s, dtype, device)
+            # A kernel that fails falls back to the formula (and keeps every kernel off): its
+            # numbers would then match the formula's without a kernel having run.
+            _fallback.reset()
             with _float32_matmuls():
                 got = setup.steps()
+                if _fallback.broken():
+                    raise RuntimeError("the kernel failed and fell back to the plain formula")
                 with normhooks.set_kernels_enabled(False):
                     want = setup.steps()
             if got.keys() != want.keys():
@@ -233,6 +239,7 @@ def check_case(case: Case, dtype: torch.dtype, device: torch.device, s: Sizes) -
             result.ms, result.peer_ms = _median_ms(setup.timed(), device, s)
         except Exception as error:  # reported on its line; the check goes on
             result.verdict, result.exception = "FAILED", _one_line(error)
+    _fallback.reset()  # the next line checks its kernel afresh
     for warning in caught:
         text = f"{warning.category.__name__}: {warning.message}"
         if text not in result.warnings:
