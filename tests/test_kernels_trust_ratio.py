@@ -207,11 +207,26 @@ def test_non_finite_update_stays_non_finite() -> None:
 
 
 def test_repeated_launches_find_the_table_with_its_counts_at_zero() -> None:
+    """The same parameters launched on again: the table is found (one in the cache), its
+    counts of arrived programs back at zero, so every tensor's sums complete again."""
     olds, news, flat = step(torch.float32)
-    first = run(olds, news, flat, 1e-2)
-    second = run(olds, news, flat, 1e-2)
-    for a, b in zip(first, second, strict=True):
-        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    params = [o.clone() for o in olds]
+    where = offsets(params)
+    expected_ratios, expected = reference(olds, news, 1e-2, settings_of())
+    for _ in range(3):
+        for param, old in zip(params, olds, strict=True):
+            param.copy_(old)
+        squares = tr_kernels.copy_and_squares(params, flat, *where)
+        for param, new in zip(params, news, strict=True):
+            param.copy_(new)
+        ratios = tr_kernels.rescale_updates(params, flat, *where, squares, lr=1e-2, **settings_of())
+        assert len(_multi._tables) == 1
+        assert not _multi._tables.values()[0].arrivals.any()
+        torch.testing.assert_close(
+            ratios.double(), torch.tensor(expected_ratios, dtype=torch.float64)
+        )
+        for param, want in zip(params, expected, strict=True):
+            torch.testing.assert_close(param.double(), want, rtol=1e-6, atol=1e-7)
 
 
 @pytest.mark.parametrize(
@@ -264,8 +279,21 @@ def hooked_adamw(
     [{}, {"eps": 1e-3, "clip": 2.0}, {"bias_correction": False, "max_weight_norm": 10.0}],
     ids=["defaults", "eps-clip", "uncorrected"],
 )
-def test_hook_through_the_kernels_matches_the_eager_hook(hook: dict[str, Any]) -> None:
+def test_hook_through_the_kernels_matches_the_eager_hook(
+    hook: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    rescales: list[int] = []
+    rescale = tr_kernels._RESCALE
+
+    def counted(*args: Any) -> None:
+        rescales.append(1)
+        rescale(*args)
+
+    monkeypatch.setattr(tr_kernels, "_RESCALE", counted)
     kernel_params, kernel_hook = hooked_adamw(True, **hook)
+    # Two steps on the kernels; without bias correction the rescale is the eager formula's,
+    # from the kernel's copy.
+    assert len(rescales) == (0 if hook.get("bias_correction") is False else 2)
     eager_params, eager_hook = hooked_adamw(False, **hook)
     torch.testing.assert_close(kernel_hook.last_ratios, eager_hook.last_ratios, rtol=1e-6, atol=0)
     for a, b in zip(kernel_params, eager_params, strict=True):
