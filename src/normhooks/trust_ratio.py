@@ -35,6 +35,7 @@ from normhooks._step_hook import (
     euclidean_norms,
     setting,
 )
+from normhooks._step_hook.checks import all_plain
 from normhooks._step_hook.copies import _Copies, _Pieces
 from normhooks._step_hook.settings import Lr
 from normhooks._step_hook.updates import OldNorms, in_cache_order
@@ -460,7 +461,7 @@ class TrustRatio(StepHook, TrustRatioSettings):
         if (
             not b.unit.reduce
             and _kernels.available(params[0])
-            and compat.plain_eager(*params)
+            and all_plain(params)
             and all(map(Tensor.is_contiguous, params))
         ):
             squares = _kernels.trust_ratio_copy(params, copies.buffer(), *copies.offsets())

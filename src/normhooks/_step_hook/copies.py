@@ -51,9 +51,7 @@ class _Copies:
 
     def hold(self, tensors: list[Tensor], foreach: bool | None) -> list[Tensor]:
         """Copies ``tensors`` in; returns the views holding them."""
-        storage = self._flat.untyped_storage()
-        if storage.nbytes() != self._bytes:
-            storage.resize_(self._bytes)
+        self.buffer()  # its memory back if it was released
         _copy_(self._views, tensors, foreach)
         return self._views
 
@@ -88,9 +86,7 @@ class _Copies:
     def hold_with_norms(self, tensors: list[Tensor]) -> tuple[list[Tensor], Tensor]:
         """Copies float32 CPU ``tensors`` in, each piece's norm taken while it is in cache;
         returns the views holding them and their norms (see :class:`_Pieces`)."""
-        storage = self._flat.untyped_storage()
-        if storage.nbytes() != self._bytes:
-            storage.resize_(self._bytes)
+        self.buffer()  # its memory back if it was released
         norms = self.pieces().norms_after_(tensors, Tensor.copy_, compat.foreach_copy_)
         return self._views, norms
 
