@@ -9,12 +9,15 @@ was loaded.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
+import warnings
 
 import pytest
 import torch
+from torch import nn
 
 import normhooks
 from normhooks import _kernels
@@ -98,3 +101,19 @@ def test_switched_off_routed_tensors_take_the_plain_path() -> None:
 def test_mode_must_be_a_bool(mode: object) -> None:
     with pytest.raises(TypeError, match="mode must be True or False"):
         normhooks.set_kernels_enabled(mode)  # type: ignore[arg-type]
+
+
+@pytest.mark.skipif(not _kernels._triton_found(), reason="needs Triton")
+def test_a_dtype_no_kernel_is_written_for_takes_the_formula_without_a_warning() -> None:
+    """A float8 layer passes the techniques' checks; the kernels must not take it (their
+    refusal would read as a failure and turn every kernel off for the process)."""
+    layer = normhooks.weight_standardization(nn.Conv2d(2, 3, 3))
+    with _kernels.route_cpu_tensors(), warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert not _kernels.available(torch.zeros(2, dtype=torch.float8_e4m3fn))
+        with torch.no_grad():
+            original = layer.parametrizations.weight.original
+            original.data = original.data.to(torch.float8_e4m3fn)
+        with contextlib.suppress(RuntimeError, NotImplementedError, TypeError):
+            _ = layer.weight  # the formula's own error, if torch has none for float8
+        assert _kernels.may_launch()

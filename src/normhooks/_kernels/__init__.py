@@ -141,10 +141,15 @@ class set_kernels_enabled:  # noqa: N801 - named and used like torch.set_grad_en
         _enabled = self.previous
 
 
+# The dtypes the kernels are written for (_common.TL_DTYPES, without importing Triton): a
+# float8 tensor passes the techniques' checks but must not be taken for a kernel's failure.
+_DTYPES = frozenset((torch.float16, torch.bfloat16, torch.float32, torch.float64))
+
+
 def available(*tensors: Tensor) -> bool:
     """Whether the kernels can run on ``tensors``."""
     for tensor in tensors:
-        if not (tensor.is_cuda or (_route_cpu and tensor.is_cpu)):
+        if not (tensor.is_cuda or (_route_cpu and tensor.is_cpu)) or tensor.dtype not in _DTYPES:
             return False
     return _torch_compat.plain_eager(*tensors) and _triton_importable()
 
