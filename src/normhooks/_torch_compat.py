@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.nn.modules import module as _module_py
 from torch.nn.utils.weight_norm import WeightNorm as _LegacyWeightNorm
 from torch.utils.hooks import RemovableHandle
 
@@ -259,9 +260,7 @@ def global_forward_hooks() -> bool:
     """Whether global forward hooks or pre-hooks are registered, which every module call runs
     (torch.nn.modules.module's ``_global_forward_hooks``, ``_global_forward_pre_hooks``:
     2.11, 2.13)."""
-    from torch.nn.modules import module as module_py
-
-    return bool(module_py._global_forward_hooks or module_py._global_forward_pre_hooks)
+    return bool(_module_py._global_forward_hooks or _module_py._global_forward_pre_hooks)
 
 
 def remove_forward_hooks(module: nn.Module, remove: Callable[[object], bool]) -> None:
