@@ -222,8 +222,8 @@ def test_a_kernel_that_falls_back_to_the_formula_fails_its_line_and_not_the_next
     monkeypatch.setattr(agc_kernels, "_launch", fail)
     centralize, ran = _kernels.centralize_unit_, []
 
-    def recorded(grads: list[torch.Tensor]) -> bool:
-        ran.append(centralize(grads))
+    def recorded(grads: list[torch.Tensor], kept: dict[object, object] | None = None) -> bool:
+        ran.append(centralize(grads, kept))
         return ran[-1]
 
     monkeypatch.setattr(_kernels, "centralize_unit_", recorded)
@@ -274,8 +274,8 @@ def test_a_gradient_centralization_kernel_off_by_a_little_is_a_mismatch(
 ) -> None:
     launch = _kernels.centralize_unit_
 
-    def off(grads: list[torch.Tensor]) -> bool:
-        done = launch(grads)
+    def off(grads: list[torch.Tensor], kept: dict[object, object] | None = None) -> bool:
+        done = launch(grads, kept)
         for grad in grads:
             grad.mul_(1 + 1e-3)
         return done

@@ -33,6 +33,7 @@ def scale_unit_(
     *,
     norms: tuple[Tensor, Tensor] | None,
     foreach: bool | None,
+    steady: object = None,
 ) -> Tensor:
     for grad in grads:
         grad.mul_(settings.factor)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import functools
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -395,6 +395,67 @@ def versions(tensors: list[Tensor]) -> list[int]:
     counter; reading it is a host-side integer, never a device sync.
     """
     return [tensor._version for tensor in tensors]
+
+
+def layout_check(tensors: Sequence[Tensor]) -> Callable[..., bool] | None:
+    """A check of ``tensors``' metadata in one C call, or None where torch offers none here.
+
+    ``check(*others)`` is True when each of ``others`` (as many as ``tensors``) has the exact
+    Python type, dtype, device, sizes, strides, dispatch keys (layout, conjugate and negative
+    bits, the backend) and ``requires_grad`` that the tensor at its place has now; False for
+    anything else, None included. It reads no address and no value.
+
+    Dynamo's ``TensorGuards`` (``torch._C._dynamo.guards``, 2.11, 2.13), with every size and
+    stride given (a None would leave that dimension unchecked). It is used only after
+    :func:`_layout_check_works` has seen it refuse each kind of change on this torch.
+    """
+    if not _layout_check_works():
+        return None
+    return _tensor_guards(tensors)
+
+
+def _tensor_guards(tensors: Sequence[Tensor]) -> Callable[..., bool] | None:
+    # torch's stub of TensorGuards does not match what it takes at run time.
+    module: Any = torch._C._dynamo.guards
+    try:
+        guards = module.TensorGuards(
+            *tensors,
+            tensor_check_names=[f"tensors[{i}]" for i in range(len(tensors))],
+            dynamic_dims_sizes=[list(tensor.shape) for tensor in tensors],
+            dynamic_dims_strides=[list(tensor.stride()) for tensor in tensors],
+        )
+    except (AttributeError, TypeError, RuntimeError):
+        return None
+    check: Callable[..., bool] = guards.check
+    return check
+
+
+@functools.cache
+def _layout_check_works() -> bool:
+    """Whether :func:`_tensor_guards` refuses every change the step hooks' records rely on it
+    to see: checked once per process on small CPU tensors, so that another torch whose guard
+    checks less turns the records off instead of letting a stale one through."""
+    base = nn.Parameter(torch.zeros(2, 3))
+    grad = torch.zeros(2, 3)
+    check = _tensor_guards([base, grad])
+    if check is None:
+        return False
+    with torch.no_grad():
+        changed = [
+            torch.zeros(2, 3, dtype=torch.float64),  # dtype
+            torch.zeros(3, 2),  # sizes
+            torch.zeros(3, 2).t(),  # strides
+            torch.zeros(2, 3).to_sparse(),  # layout
+            torch.zeros(2, 3, device="meta"),  # device
+            torch.zeros(2, 3, requires_grad=True),  # requires_grad
+            torch.zeros(2, 3)._neg_view(),  # a lazy negation
+            nn.Parameter(torch.zeros(2, 3)),  # the Python type
+            None,
+        ]
+    try:
+        return check(base, torch.zeros(2, 3)) and not any(check(base, other) for other in changed)
+    except (TypeError, RuntimeError):
+        return False
 
 
 def sparse_values(tensor: Tensor) -> Tensor:

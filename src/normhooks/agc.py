@@ -25,6 +25,7 @@ from normhooks import _torch_compat as compat
 from normhooks._precision import HALF_DTYPES
 from normhooks._step_hook import (
     Settings,
+    Steady,
     StepHook,
     _unscaled_,
     _written_,
@@ -80,6 +81,7 @@ def agc_unit_(
     foreach: bool | None,
     grad_scale: Tensor | None = None,
     found_inf: Tensor | None = None,
+    steady: Steady | None = None,
 ) -> Tensor:
     """AGC on one unit (one device, dtype and sharding); returns each parameter's largest
     ratio :math:`\\|G_i\\| / \\max(\\|W_i\\|, \\epsilon)`, in order.
@@ -94,7 +96,13 @@ def agc_unit_(
     """
     # available() checks the modes (compiling, tracing, ...) and the first tensor; the types
     # of all of them in one pass each (DTensors, sharded, keep the formula below).
-    if norms is None and _kernels.available(params[0]) and all_plain(params) and all_plain(grads):
+    # A unit record that holds (steady) proves the types, as it proves what the kernels
+    # keep for these tensors.
+    if (
+        norms is None
+        and _kernels.available(params[0])
+        and (steady is not None or (all_plain(params) and all_plain(grads)))
+    ):
         # Two launches whatever the number of tensors, the GradScaler protocol included.
         ratios = _kernels.agc_unit_(
             params,
@@ -103,6 +111,7 @@ def agc_unit_(
             eps=settings.eps,
             grad_scale=grad_scale,
             found_inf=found_inf,
+            kept=None if steady is None else steady.kept,
         )
         if ratios is not None:  # None: the kernel failed here (warned once): the formula
             return ratios

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 from torch import Tensor
@@ -21,7 +22,7 @@ from torch import Tensor
 from normhooks import _checks, _kernels
 from normhooks import _torch_compat as compat
 from normhooks._precision import HALF_DTYPES, compute_dtype
-from normhooks._step_hook import Settings, StepHook, setting
+from normhooks._step_hook import Settings, Steady, StepHook, setting
 from normhooks._step_hook.checks import all_plain
 
 __all__ = ["GradientCentralization", "centralize_gradients_"]
@@ -55,6 +56,7 @@ def centralize_unit_(
     *,
     norms: tuple[Tensor, Tensor] | None,
     foreach: bool | None,
+    steady: Steady | None = None,
 ) -> None:
     """GC on one unit (one device, dtype and sharding), in place; no value per parameter.
 
@@ -62,15 +64,28 @@ def centralize_unit_(
     CUDA with Triton a kernel centralizes every chosen gradient in one launch.
     """
     least = 4 if settings.conv_only else 2
-    chosen = [grad for grad in grads if grad.ndim >= least]
+    kept = None
+    if steady is None:
+        chosen = [grad for grad in grads if grad.ndim >= least]
+    else:
+        # A unit record that holds fixes every gradient's number of dims, so which are
+        # chosen is kept with it, once per setting; what the kernel keeps is for those.
+        kept = cast(dict[object, object], steady.kept.get(("chosen", least)))
+        if kept is None:
+            kept = steady.kept[("chosen", least)] = {
+                "positions": [i for i, grad in enumerate(grads) if grad.ndim >= least]
+            }
+        positions = cast(list[int], kept["positions"])
+        chosen = list(map(grads.__getitem__, positions))
     if not chosen:
         return
     # available() checks the process-wide conditions (not compiling, no transform or mode)
-    # once; every tensor must be plain (DTensors, sharded, keep the formula below).
+    # once; every tensor must be plain (DTensors, sharded, keep the formula below), which a
+    # record that holds proves.
     if (
         _kernels.available(chosen[0])
-        and all_plain(chosen)
-        and _kernels.centralize_unit_(chosen)  # False: the kernel failed here (warned once)
+        and (steady is not None or all_plain(chosen))
+        and _kernels.centralize_unit_(chosen, kept)  # False: the kernel failed here (warned)
     ):
         return
     if foreach is False or chosen[0].is_cpu or chosen[0].dtype in HALF_DTYPES:

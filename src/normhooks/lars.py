@@ -25,6 +25,7 @@ from normhooks import _torch_compat as compat
 from normhooks._precision import HALF_DTYPES, upcast
 from normhooks._step_hook import (
     Settings,
+    Steady,
     StepHook,
     all_plain,
     euclidean_norms,
@@ -164,6 +165,7 @@ def lars_unit_(
     foreach: bool | None,
     grad_scale: Tensor | None = None,
     found_inf: Tensor | None = None,
+    steady: Steady | None = None,
 ) -> Tensor:
     """LARS on one unit (one device, dtype and sharding); returns the rates, in order.
 
@@ -176,7 +178,13 @@ def lars_unit_(
     """
     # available() checks the modes (compiling, tracing, ...) and the first tensor; the types
     # of the rest in one pass each.
-    if norms is None and _kernels.available(params[0]) and all_plain(params) and all_plain(grads):
+    # A unit record that holds (steady) proves the types, as it proves what the kernels
+    # keep for these tensors.
+    if (
+        norms is None
+        and _kernels.available(params[0])
+        and (steady is not None or (all_plain(params) and all_plain(grads)))
+    ):
         # Two launches whatever the number of tensors, the GradScaler protocol included.
         rates = _kernels.lars_unit_(
             params,
@@ -190,6 +198,7 @@ def lars_unit_(
             zero_grad_mode=settings.zero_grad_mode,
             grad_scale=grad_scale,
             found_inf=found_inf,
+            kept=None if steady is None else steady.kept,
         )
         if rates is not None:  # None: the kernel failed here (warned once): the formula
             return rates

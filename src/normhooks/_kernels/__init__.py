@@ -236,13 +236,13 @@ def agc_unit_(params: list[Tensor], grads: list[Tensor], **settings: Any) -> Ten
     return _guarded("AGC", lambda: agc.agc_unit_(params, grads, **settings))
 
 
-def centralize_unit_(grads: list[Tensor]) -> bool:
+def centralize_unit_(grads: list[Tensor], kept: dict[object, object] | None = None) -> bool:
     """:func:`normhooks._kernels.gradient_centralization.centralize_unit_`; False where the
     kernel failed (see :func:`_guarded`)."""
     from normhooks._kernels import gradient_centralization
 
     def run() -> bool:
-        gradient_centralization.centralize_unit_(grads)
+        gradient_centralization.centralize_unit_(grads, kept)
         return True
 
     return _guarded("gradient centralization", run) is not None

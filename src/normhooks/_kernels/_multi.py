@@ -17,10 +17,11 @@ same chunks then writes each value with its row's result.
 A table's content is a function of its key (device, dtype, chunk size, how rows are cut, the
 tensors' sizes or, for rows along dim 0, shapes, and their addresses), so a table found in the
 cache is never stale: a tensor that moves or changes size makes a new key. That is the whole
-validity rule of what this module keeps, with one exception: a launch that fails drops every
+validity rule of what this module keeps, with two additions: a launch that fails drops every
 table (:func:`drop_tables`, called by ``normhooks._kernels._guarded``): one stopped part way
 may have left a row's count of arrived programs above zero, which a later launch must not
-find.
+find; and a caller that can prove its lists unchanged (a step hook's unit record) keeps their
+table itself, to find it without building the key (:func:`prepared`).
 Tensors whose rows are not laid out as the kernels read them go through contiguous copies
 (:func:`laid_out`), and their tables are made again at every call.
 """
@@ -33,6 +34,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Sequence
 from operator import attrgetter
+from typing import cast
 
 import torch
 import triton
@@ -64,7 +66,9 @@ class KernelFailedError(Exception):
 def drop_tables() -> None:
     """Drops every table (not those a CUDA graph captured, which its replays read): after a
     launch that failed, which may have stopped part way and left a row's count of arrived
-    programs above zero."""
+    programs above zero. Tables kept by callers (:func:`prepared`) are dropped with them."""
+    global _generation
+    _generation += 1
     _tables.clear()
 
 
@@ -176,6 +180,9 @@ _tables: KeyedCache[tuple[object, ...], ChunkTable] = KeyedCache(CACHE_SIZE)
 # set outside a KeyedCache: its entries are pinned for the process, not evicted).
 _kept: list[ChunkTable] = []
 _lock = threading.Lock()
+# How many times drop_tables has run: a table a caller keeps (prepared's ``kept``) is used
+# only in the generation it was made in.
+_generation = 0
 
 
 def capturing(device: torch.device) -> bool:
@@ -229,6 +236,38 @@ def table(
         found = _tables.put(key, ChunkTable(lists, rows, chunk))
     found.use_on(current_stream(device), captured)
     return found
+
+
+def prepared(
+    lists: Sequence[list[Tensor]],
+    names: Sequence[str],
+    rows: str,
+    chunk: int,
+    captured: bool,
+    technique: str,
+    kept: dict[object, object] | None,
+) -> tuple[list[list[Tensor]], list[list[tuple[Tensor, Tensor]]], ChunkTable]:
+    """``lists`` laid out (:func:`laid_out`: the lists, and each one's (original, copy)
+    pairs) and their table (:func:`table`).
+
+    ``kept``: a dict the caller keeps for exactly these lists, valid while every tensor of
+    them keeps its layout and address (a step hook's unit record, ``steady.Steady.kept``,
+    which clears it otherwise), or None. Lists that needed no copy keep their table there, and
+    a later call finds it without reading a tensor: while those hold, the table's key (shapes
+    and addresses) is the same. A table kept before :func:`drop_tables` is not used again.
+    """
+    if kept is not None:
+        entry = kept.get((rows, chunk, len(lists)))
+        if entry is not None:
+            generation, found = cast(tuple[int, ChunkTable], entry)
+            if generation == _generation:
+                found.use_on(current_stream(found.storage.device), captured)
+                return list(lists), [[] for _ in lists], found
+    laid, copied = laid_out(lists, names, rows)
+    made = table(laid, names, rows, chunk, captured, technique)
+    if kept is not None and not any(copied):
+        kept[(rows, chunk, len(lists))] = (_generation, made)
+    return laid, copied, made
 
 
 def check(lists: Sequence[Sequence[Tensor]], names: Sequence[str]) -> None:

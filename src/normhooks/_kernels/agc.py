@@ -258,6 +258,7 @@ def agc_unit_(
     eps: float,
     grad_scale: Tensor | None,
     found_inf: Tensor | None,
+    kept: dict[object, object] | None = None,
 ) -> Tensor:
     r"""Clips each row of ``grads`` in place, as :func:`normhooks.agc_` does, in two launches.
 
@@ -283,6 +284,8 @@ def agc_unit_(
         eps: :math:`\epsilon`.
         grad_scale: the scale the gradients carry, or None.
         found_inf: the overflow flag to raise, or None.
+        kept: where the caller keeps what is built for exactly these tensors, or None (see
+            :func:`normhooks._kernels._multi.prepared`).
 
     Returns:
         Each tensor's largest ratio :math:`\|G_i\| / b_i` before clipping (0 for a zero
@@ -297,15 +300,12 @@ def agc_unit_(
             "found_inf must be a 1-element float32 tensor (GradScaler's flag), got "
             f"{found_inf.dtype} with {found_inf.numel()} elements"
         )
-    (params, grads), (_, copied) = _multi.laid_out(
-        [params, grads], ("params", "grads"), _multi.DIM0
-    )
     scalars = (bits(clipping), bits(eps))
     index = device_index(device)
     with on_device(index):
         capturing = _multi.capturing(device)
-        table = _multi.table(
-            [params, grads], ("params", "grads"), _multi.DIM0, _CHUNK, capturing, "AGC"
+        (params, grads), (_, copied), table = _multi.prepared(
+            [params, grads], ("params", "grads"), _multi.DIM0, _CHUNK, capturing, "AGC", kept
         )
         # Two values per chunk: its partial sums, then its row's factor and ratio.
         scratch = torch.empty(2 * table.chunks, dtype=acc, device=device)

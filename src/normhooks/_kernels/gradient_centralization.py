@@ -144,7 +144,7 @@ class _Variants(NamedTuple):
 _variants: KeyedCache[tuple[object, ...], _Variants] = KeyedCache()
 
 
-def centralize_unit_(grads: list[Tensor]) -> None:
+def centralize_unit_(grads: list[Tensor], kept: dict[object, object] | None = None) -> None:
     r"""Centralizes each of ``grads`` in place along dim 0, in one launch (two where a row spans
     several chunks): every row :math:`G_i` becomes :math:`G_i - \frac{1}{M} \sum_j G_{i,j}`.
 
@@ -158,6 +158,8 @@ def centralize_unit_(grads: list[Tensor]) -> None:
 
     Args:
         grads: the gradients, all of one device and floating dtype.
+        kept: where the caller keeps what is built for exactly these tensors, or None (see
+            :func:`normhooks._kernels._multi.prepared`).
 
     Raises:
         KernelFailedError: the kernel failed to compile or launch, before writing a value.
@@ -165,11 +167,10 @@ def centralize_unit_(grads: list[Tensor]) -> None:
     if not grads:
         return
     device, dtype = grads[0].device, grads[0].dtype
-    (grads,), (copied,) = _multi.laid_out([grads], ("grads",), _multi.DIM0)
     with on_device(device_index(device)):
         captured = _multi.capturing(device)
-        table = _multi.table(
-            [grads], ("grads",), _multi.DIM0, _CHUNK, captured, "gradient centralization"
+        (grads,), (copied,), table = _multi.prepared(
+            [grads], ("grads",), _multi.DIM0, _CHUNK, captured, "gradient centralization", kept
         )
         acc = compute_dtype(dtype)
         variants = _variants.get_or_make(

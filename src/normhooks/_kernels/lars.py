@@ -278,6 +278,7 @@ def lars_unit_(
     grad_scale: Tensor | None,
     found_inf: Tensor | None,
     zero_grad_mode: str = "scale",
+    kept: dict[object, object] | None = None,
 ) -> Tensor:
     r"""Rewrites each ``grads[i]`` in place as :math:`r_i\,(g_i / s + \beta w_i)`, in two launches.
 
@@ -311,6 +312,8 @@ def lars_unit_(
         grad_scale: the scale the gradients carry, or None.
         found_inf: the overflow flag to raise, or None.
         zero_grad_mode: ``"scale"``, ``"decay"`` or ``"skip"``, as in :func:`normhooks.lars_`.
+        kept: where the caller keeps what is built for exactly these tensors, or None (see
+            :func:`normhooks._kernels._multi.prepared`).
 
     Returns:
         The rates, 1-D, one per tensor, in float32 for half dtypes and in the dtype otherwise.
@@ -324,9 +327,6 @@ def lars_unit_(
             "found_inf must be a 1-element float32 tensor (GradScaler's flag), got "
             f"{found_inf.dtype} with {found_inf.numel()} elements"
         )
-    (params, grads), (_, copied) = _multi.laid_out(
-        [params, grads], ("params", "grads"), _multi.WHOLE
-    )
     lr_is_tensor = isinstance(lr, Tensor)
     clipping = clip and lr is not None
     scalars = (
@@ -356,8 +356,8 @@ def lars_unit_(
                 "replay); under capture give lr as a 1-element tensor on the device, which "
                 f"schedulers update in place, got lr={lr!r}"
             )
-        table = _multi.table(
-            [params, grads], ("params", "grads"), _multi.WHOLE, _CHUNK, capturing, "LARS"
+        (params, grads), (_, copied), table = _multi.prepared(
+            [params, grads], ("params", "grads"), _multi.WHOLE, _CHUNK, capturing, "LARS", kept
         )
         partials = torch.empty(2 * table.chunks, dtype=acc, device=device)
         rates = torch.empty(len(params), dtype=acc, device=device)

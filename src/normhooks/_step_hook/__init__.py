@@ -39,7 +39,10 @@ units) is planned once per state of the param groups and reused while the one ru
 :class:`~normhooks._step_hook.plan._GroupPlan` holds: the param groups and their entries (by
 identity), each parameter's identity, address and dtype, checked at each step in a few
 C-level passes; it reads no tensor value. What a step brings (gradients present or not,
-dense or not, new gradient tensors, the lr) is read at each step, and nothing of it is kept.
+dense or not, new gradient tensors, the lr) is read at each step, and nothing of it is kept
+but its layout: a steady step, whose every unit is laid out as recorded at the last step
+(:class:`~normhooks._step_hook.steady.Steady`, one rule), is planned and bound by those
+records in one C call and one pass over the addresses per unit.
 
 The package, one concern per module, each building on those above it:
 
@@ -47,6 +50,7 @@ The package, one concern per module, each building on those above it:
 - :mod:`~normhooks._step_hook.checks`: the checks of parameters, gradients and shardings;
 - :mod:`~normhooks._step_hook.norms`: :func:`euclidean_norms`, :func:`row_norms`;
 - :mod:`~normhooks._step_hook.amp`: GradScaler's fused protocol (unscaling, inf/NaN flags);
+- :mod:`~normhooks._step_hook.steady`: :class:`Steady`, a unit's tensors as at the last step;
 - :mod:`~normhooks._step_hook.units`: a group's parameters by device, dtype and sharding, and
   the all-reduce of sharded norms;
 - :mod:`~normhooks._step_hook.core`: what every hook declares and holds;
@@ -101,6 +105,7 @@ from normhooks._step_hook.plan import _GroupPlan as _GroupPlan
 from normhooks._step_hook.plan import _items as _items
 from normhooks._step_hook.plan import _namer as _namer
 from normhooks._step_hook.settings import Lr, S, S_contra, Settings, UnitFunction, setting
+from normhooks._step_hook.steady import Steady
 from normhooks._step_hook.units import _bind as _bind
 from normhooks._step_hook.units import _Bound as _Bound
 from normhooks._step_hook.units import _full_shapes as _full_shapes
@@ -119,6 +124,7 @@ __all__ = [
     "S",
     "S_contra",
     "Settings",
+    "Steady",
     "StepHook",
     "UnitFunction",
     "all_plain",

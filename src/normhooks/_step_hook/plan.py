@@ -15,7 +15,7 @@ import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import repeat
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor
@@ -29,7 +29,7 @@ from normhooks._step_hook.checks import (
 )
 from normhooks._step_hook.core import HookCore
 from normhooks._step_hook.settings import Settings
-from normhooks._step_hook.units import _Unit, _units
+from normhooks._step_hook.units import FAILED, _Bound, _Unit, _units, record, steady_bind
 
 _DTYPE = operator.attrgetter("dtype")
 _ADDRESS = Tensor.data_ptr
@@ -43,9 +43,13 @@ class _GroupPlan:
     :meth:`Planning._plan` for the list of groups, before anything of it is used):
 
     - ``optimizer.param_groups`` has as many groups as planned, each the same dict object;
-    - the group's entries other than ``params`` are the objects planned, compared by identity
-      (equality would read a tensor lr back to the host): a setting edited, a key added or
-      removed is a change;
+    - the group's entries other than ``params`` and ``lr`` are the objects planned, compared
+      by identity (equality would read a tensor lr back to the host): a setting edited, a key
+      added or removed is a change;
+    - ``lr``, which schedulers set anew at every step, is read at each step where it is used;
+      where it is another object than the one last checked, the technique's check of the
+      group (``lr_check``, the plan's own ``_check_group``) runs again on it and raises for an
+      lr the technique refuses; the group having an ``lr`` or not is a change;
     - for a group that takes part: its params are the tensor objects planned, in order, and
       each has the address and dtype recorded. A ``.data =`` that moves a parameter (to
       another device too), converts it or swaps its storage, and ``torch.utils.swap_tensors``,
@@ -69,24 +73,66 @@ class _GroupPlan:
     where: Callable[[int], str]
     addresses: tuple[int, ...] | None = None
     dtypes: tuple[torch.dtype, ...] | None = None
+    lr_check: Callable[[Mapping[str, Any]], None] | None = None
     _size: int = field(init=False, repr=False)
     _keys: tuple[str, ...] = field(init=False, repr=False)
     _values: tuple[object, ...] = field(init=False, repr=False)
+    _lr: object = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         self._size = len(self.group)
         self._keys = tuple(self.items)
         self._values = tuple(self.items.values())
+        self._lr = self.group.get("lr", _MISSING)
 
     def holds(self, group: Mapping[str, Any]) -> bool:
         """Whether ``group`` is still what was planned (the rule above; no tensor value is
         read)."""
+        if not self.entries_hold(group):
+            return False
+        return self.settings is None or self.same_params(group["params"])
+
+    def entries_hold(self, group: Mapping[str, Any]) -> bool:
+        """Whether ``group`` is the dict planned with the entries planned (the rule's first
+        three parts), after checking a new ``lr``."""
         if group is not self.group or len(group) != self._size:
             return False
         found = map(group.get, self._keys, repeat(_MISSING))
         if not all(map(operator.is_, found, self._values)):
             return False
-        return self.settings is None or self.same_params(group["params"])
+        lr = group.get("lr", _MISSING)
+        if lr is not self._lr:
+            if lr is _MISSING or self._lr is _MISSING:
+                return False
+            if self.lr_check is not None:
+                self.lr_check(group)
+            self._lr = lr
+        return True
+
+    def steady_bound(self, group: Mapping[str, Any]) -> list[_Bound] | None:
+        """The group's units bound at this step where the plan holds by the records of its
+        units (:class:`~normhooks._step_hook.steady.Steady`) and each of them holds; None
+        where anything must be checked the long way.
+
+        The group and its entries are compared as in :meth:`holds` and the parameters by
+        identity; a unit's record then stands for the addresses and dtypes of the rule above
+        (it was made where they held) and for the binding's checks of the gradients.
+        """
+        if not self.entries_hold(group):
+            return None
+        if self.settings is None:
+            return []
+        params, kept = group["params"], self.params
+        if len(params) != len(kept) or not all(map(operator.is_, params, kept)):
+            return None
+        bound = []
+        for unit in self.units:
+            b = steady_bind(unit)
+            if b is FAILED:
+                return None
+            if b is not None:
+                bound.append(cast(_Bound, b))
+        return bound
 
     def same_params(self, params: Sequence[Any]) -> bool:
         """Whether ``params`` are the planned parameters, with their addresses and dtypes."""
@@ -105,7 +151,8 @@ _MISSING = object()
 
 
 def _items(group: Mapping[str, Any]) -> dict[str, object]:
-    return {key: value for key, value in group.items() if key != "params"}
+    """The entries a plan compares by identity: all but the parameters and the lr."""
+    return {key: value for key, value in group.items() if key not in ("params", "lr")}
 
 
 def _fingerprint(params: Sequence[Tensor]) -> tuple[tuple[int, ...], tuple[torch.dtype, ...]]:
@@ -146,6 +193,36 @@ class Planning(HookCore):
         plan = self._new_plan(optimizer, groups, old or [])
         self._plans[optimizer] = plan
         return plan
+
+    def _steady_plan(
+        self, optimizer: torch.optim.Optimizer
+    ) -> tuple[list[_GroupPlan], list[list[_Bound]]] | None:
+        """The plan and every group's units bound at this step, where every unit's record
+        holds (:meth:`_GroupPlan.steady_bound`); None where the step takes the long way
+        (:meth:`_plan`, then the binding). Never under a trace, a transform or a mode."""
+        old = self._plans.get(optimizer)
+        groups = optimizer.param_groups
+        if old is None or len(old) != len(groups) or not compat.plain_eager():
+            return None
+        bound = []
+        for group_plan, group in zip(old, groups, strict=True):
+            found = group_plan.steady_bound(group)
+            if found is None:
+                return None
+            bound.append(found)
+        return old, bound
+
+    @staticmethod
+    def _record(plan: Sequence[_GroupPlan], bound: Sequence[Sequence[_Bound]]) -> None:
+        """Records the units of ``plan``, found holding at this step with their fingerprint,
+        for the next step (:func:`~normhooks._step_hook.units.record`)."""
+        if not compat.plain_eager():
+            return
+        for group_plan, of_group in zip(plan, bound, strict=True):
+            if group_plan.addresses is not None:
+                by_unit = {id(b.unit): b for b in of_group}
+                for unit in group_plan.units:
+                    record(unit, by_unit.get(id(unit)))
 
     def _new_plan(
         self,
@@ -196,6 +273,7 @@ class Planning(HookCore):
                 where,
                 previous.addresses,
                 previous.dtypes,
+                self._lr_check(index, settings),
             )
         positions = range(len(params))
         self._check_params(params, positions, where)
@@ -204,7 +282,30 @@ class Planning(HookCore):
         # A trace cannot read addresses; and under it nothing is kept from one step to the next.
         if not torch.compiler.is_compiling() and all_plain(params):
             addresses, dtypes = _fingerprint(params)
-        return _GroupPlan(group, params, _items(group), settings, units, where, addresses, dtypes)
+        return _GroupPlan(
+            group,
+            params,
+            _items(group),
+            settings,
+            units,
+            where,
+            addresses,
+            dtypes,
+            self._lr_check(index, settings),
+        )
+
+    def _lr_check(self, index: int, settings: Settings) -> Callable[[Mapping[str, Any]], None]:
+        """The technique's check of group ``index`` (``_check_group``), for a plan to run on a
+        new lr; it raises as planning does (its warning was given when the group was
+        planned)."""
+
+        def check(group: Mapping[str, Any]) -> None:
+            try:
+                self._check_group(group, settings)
+            except (TypeError, ValueError) as error:
+                raise type(error)(f"param group {index}: {error}") from None
+
+        return check
 
     @classmethod
     def _check_params(

@@ -60,16 +60,24 @@ class Running(Planning, UpdateRun):
             for _, hook in hooks_on(optimizer):
                 if hook is not self:
                     cast(Planning, hook)._plan(optimizer)
-        plan = self._plan(optimizer)
         closure, args, kwargs = _take_closure(args, kwargs)
+        # A steady step (no closure, every unit as recorded at the last step) is planned and
+        # bound by its records; any other takes the long way, and records its units.
+        steady = None if closure is not None else self._steady_plan(optimizer)
         loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        bound: list[list[_Bound]] = []
-        for group_plan in plan:
-            units = [_bind(unit, group_plan.where, self.technique) for unit in group_plan.units]
-            bound.append([b for b in units if b is not None])
+        if steady is not None:
+            plan, bound = steady
+        else:
+            plan = self._plan(optimizer)
+            if closure is not None:
+                with torch.enable_grad():
+                    loss = closure()
+            bound = []
+            for group_plan in plan:
+                units = [_bind(unit, group_plan.where, self.technique) for unit in group_plan.units]
+                bound.append([b for b in units if b is not None])
+            if closure is None:
+                self._record(plan, bound)
         with torch.no_grad():
             if self.rewrites == "gradients":
                 self._rewrite_gradients_(optimizer, plan, bound, scaling)
@@ -141,9 +149,10 @@ class Running(Planning, UpdateRun):
         for (settings, lr), of_group in zip(jobs, bound, strict=True):
             per_unit = []
             for b in of_group:
-                extra: dict[str, Any] = {}
+                # The record stands for the tensors the unit function gets, not for copies.
+                extra: dict[str, Any] = {"steady": b.steady if b.sources is b.grads else None}
                 if scaling is not None and cls.scaled_gradients:
-                    extra = {"grad_scale": scaling.scale, "found_inf": flag_of(b)}
+                    extra |= {"grad_scale": scaling.scale, "found_inf": flag_of(b)}
                 values = cls._unit_(
                     b.params, b.sources, settings, lr, norms=b.norms, foreach=foreach, **extra
                 )

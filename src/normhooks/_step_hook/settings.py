@@ -60,7 +60,10 @@ class UnitFunction(Protocol[S_contra]):
     ``norms`` are ``(||w||, ||t||)`` of the whole tensors (``t`` the gradient; for update
     hooks, ``w`` is ``w_old`` and ``t`` the revert) where the base computed them: always
     for update hooks, for sharded units of gradient hooks; otherwise None. A gradient hook
-    that declares ``scaled_gradients`` also takes ``grad_scale`` and ``found_inf``.
+    that declares ``scaled_gradients`` also takes ``grad_scale`` and ``found_inf``. Every
+    gradient hook also takes ``steady``: the unit's record where it holds at this step and the
+    function gets the very tensors it stands for (:class:`~normhooks._step_hook.steady.Steady`,
+    whose ``kept`` is the kernels'), else None.
     """
 
     def __call__(

@@ -17,9 +17,10 @@ import torch
 from torch import Tensor
 
 from normhooks import _torch_compat as compat
-from normhooks._step_hook.checks import check_dense_grad, check_grad_placements
+from normhooks._step_hook.checks import all_plain, check_dense_grad, check_grad_placements
 from normhooks._step_hook.copies import _Copies
 from normhooks._step_hook.norms import euclidean_norms
+from normhooks._step_hook.steady import Steady, retaken
 
 _Reduce = tuple[Any, tuple[int, ...]]
 
@@ -38,6 +39,10 @@ class _Unit:
     reduce: _Reduce | None = None
     reduce_key: Any = None
     copies: _Copies | None = None
+    # The unit's tensors as at the last step (see steady.Steady), and how many records were
+    # made in a row that no step used.
+    steady: Steady | None = None
+    misses: int = 0
 
 
 @dataclass
@@ -51,6 +56,8 @@ class _Bound:
     # What the unit function reads and rewrites: the gradients, or their unscaled copies.
     sources: list[Tensor]
     norms: tuple[Tensor, Tensor] | None = None
+    # The unit's record where it holds at this step (its parameters bound as recorded).
+    steady: Steady | None = None
 
 
 def _sharding(param: Tensor, where: str, technique: str) -> _Reduce | None:
@@ -152,6 +159,56 @@ def _bind(unit: _Unit, where: Callable[[int], str], technique: str) -> _Bound | 
         params = [p.to_local() for p in params]  # type: ignore[attr-defined]
         grads = [g.to_local() for g in grads]
     return _Bound(unit, positions, params, grads, grads)
+
+
+# What steady_bind gives for a unit whose record does not hold (None: it holds, and no
+# parameter of the unit has a gradient at this step).
+FAILED = object()
+
+
+def steady_bind(unit: _Unit) -> object:
+    """The unit at this step where its record holds (its parameters bound, with the gradients
+    they have now), None where it holds with none bound, else :data:`FAILED`; the unit's
+    parameters must have been found by identity."""
+    steady = unit.steady
+    if steady is None:
+        return FAILED
+    grads = steady.bind(list(map(_GRAD, unit.params)))
+    if grads is None:
+        return FAILED
+    if not grads:
+        return None
+    return _Bound(unit, steady.positions, steady.params, grads, grads, steady=steady)
+
+
+def record(unit: _Unit, bound: _Bound | None) -> None:
+    """Records ``unit`` as it is at this step (see :class:`Steady`), ``bound`` being what the
+    step bound of it (None: no parameter has a gradient), and sets ``bound.steady``. The
+    caller has found the unit's plan holding at this step, with its fingerprint."""
+    if unit.dtensors:
+        return
+    if unit.steady is not None and steady_bind(unit) is not FAILED:
+        # The step took the long way for another unit or group: this record still serves.
+        if bound is not None:
+            bound.steady = unit.steady
+        return
+    again, unit.misses = retaken(unit.steady, unit.misses)
+    unit.steady = None
+    params, grads, positions = (
+        ([], [], [])
+        if bound is None
+        else (
+            bound.params,
+            bound.grads,
+            bound.positions,
+        )
+    )
+    if again and all_plain(params) and all_plain(grads):
+        taken = set(positions)
+        absent = [i for i, position in enumerate(unit.positions) if position not in taken]
+        unit.steady = Steady.take(params, grads, positions, absent)
+        if bound is not None:
+            bound.steady = unit.steady
 
 
 def sum_over_shards(bound: Sequence[_Bound], squares: Mapping[int, Tensor]) -> dict[int, Tensor]:
