@@ -55,11 +55,13 @@ class _GroupPlan:
       another device too), converts it or swaps its storage, and ``torch.utils.swap_tensors``,
       change one of them.
 
-    Nothing else of a parameter is kept (its shape is read where it is used), and nothing of a
-    gradient: whether each parameter has one at this step, and a dense one, is read at every
-    step (:func:`~normhooks._step_hook.units._bind`). It reads no tensor value. ``addresses``
-    is None where the group cannot be fingerprinted (tensor subclasses other than plain
-    tensors): it is then planned again at every step.
+    Nothing else of a parameter is kept here (its shape is read where it is used), and nothing
+    of a gradient: whether each parameter has one at this step, and a dense one, is read at
+    every step (:func:`~normhooks._step_hook.units._bind`), or proved by the unit's record of
+    the last step where that holds (:class:`~normhooks._step_hook.steady.Steady`, which then
+    stands for the parameters' addresses and dtypes too: :meth:`steady_bound`). It reads no
+    tensor value. ``addresses`` is None where the group cannot be fingerprinted (tensor
+    subclasses other than plain tensors): it is then planned again at every step.
 
     Each part of the rule is one C-level pass (``map`` over the kept tuples), so that a step
     whose plan holds costs a few passes over the parameters and no Python per parameter.
