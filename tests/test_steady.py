@@ -16,7 +16,7 @@ import pytest
 import torch
 from torch import Tensor, nn
 
-from normhooks import GradientCentralization, GradientLARS, _kernels
+from normhooks import AdaptiveGradientClipping, GradientCentralization, GradientLARS, _kernels
 from normhooks import _torch_compat as compat
 from normhooks._step_hook import steady as steady_module
 from normhooks._step_hook.steady import Steady
@@ -270,6 +270,36 @@ def test_the_kernels_table_kept_with_a_record_is_not_used_after_tables_are_dropp
     assert made == [1]
     for param, grad in zip(params, wanted, strict=True):
         torch.testing.assert_close(param.grad, grad, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.skipif(not KERNELS, reason="the kernels need CUDA or the interpreter")
+@pytest.mark.parametrize(
+    "hook",
+    [
+        lambda: GradientLARS(THRESHOLD, WEIGHT_DECAY, EPS),
+        lambda: AdaptiveGradientClipping(0.01),
+        lambda: GradientCentralization(),
+    ],
+    ids=["lars", "agc", "gc"],
+)
+def test_every_kernel_finds_its_table_with_the_record_at_a_steady_step(
+    monkeypatch: pytest.MonkeyPatch, hook: Callable[[], object]
+) -> None:
+    from normhooks._kernels import _multi
+
+    with kernel_path():
+        optimizer = steady_optimizer(hook())
+        params = params_of(optimizer)
+        made: list[int] = []
+        laid: list[int] = []
+        table, laid_out = _multi.table, _multi.laid_out
+        monkeypatch.setattr(_multi, "table", lambda *a, **k: made.append(1) or table(*a, **k))
+        monkeypatch.setattr(_multi, "laid_out", lambda *a, **k: laid.append(1) or laid_out(*a, **k))
+        held = Held(monkeypatch)
+        refilled(params)
+        optimizer.step()
+    assert held.outcomes == [True]
+    assert made == laid == []
 
 
 @pytest.mark.parametrize("path", PATHS)
