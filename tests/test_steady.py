@@ -16,7 +16,13 @@ import pytest
 import torch
 from torch import Tensor, nn
 
-from normhooks import AdaptiveGradientClipping, GradientCentralization, GradientLARS, _kernels
+from normhooks import (
+    AdaptiveGradientClipping,
+    GradientCentralization,
+    GradientLARS,
+    TrustRatio,
+    _kernels,
+)
 from normhooks import _torch_compat as compat
 from normhooks._step_hook import steady as steady_module
 from normhooks._step_hook.steady import Steady
@@ -89,9 +95,13 @@ def new_grads(params: list[nn.Parameter]) -> None:
 
 
 def refilled(params: list[nn.Parameter]) -> None:
-    """New values in the gradients' own memory: the addresses the record keeps."""
+    """New values in the gradients' own memory, the addresses the record keeps (a new gradient
+    where its parameter changed shape)."""
     for param in params:
-        param.grad.copy_(torch.randn(param.shape))  # type: ignore[union-attr]
+        if param.grad is None or param.grad.shape != param.shape:
+            param.grad = torch.randn(param.shape, device=param.device, dtype=param.dtype)
+        else:
+            param.grad.copy_(torch.randn(param.shape))
 
 
 def steady_optimizer(hook: object) -> torch.optim.SGD:
@@ -510,3 +520,68 @@ def test_parameters_without_a_gradient_keep_the_steps_steady_until_one_gets_one(
     # Steps 1 and 2 served by the records (both units of each step); step 3's gradient on the
     # frozen parameter fails the first unit's record.
     assert held.outcomes[:5] == [True, True, True, True, False]
+
+
+# --- an update hook: the trust ratio's copies under a record -----------------------------------
+
+
+def trust_ratio_step_by_hand(old: Tensor, grad: Tensor, lr: float) -> Tensor:
+    """SGD's update d = -lr g rescaled to lr ||w|| / ||d|| d (arXiv:1904.00962), in float64."""
+    w, d = old.double(), -lr * grad.double()
+    ratio = w.norm() / (d.norm() / lr)
+    return (w + ratio * d).to(old.dtype)
+
+
+def params_moved(params: list[nn.Parameter]) -> None:
+    params[2].data = params[2].data.clone()
+
+
+def params_reshaped(params: list[nn.Parameter]) -> None:
+    params[2].data = params[2].data.view(2, 6)
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize(
+    ("change", "held"),
+    [(lambda ps: None, True), (params_moved, False), (params_reshaped, False)],
+    ids=["nothing", "a parameter moved", "a parameter reshaped in its memory"],
+)
+def test_the_trust_ratios_copies_are_made_again_where_the_record_does_not_hold(
+    monkeypatch: pytest.MonkeyPatch,
+    path: Callable[[], contextlib.AbstractContextManager[None]],
+    change: Change,
+    held: bool,
+) -> None:
+    from normhooks._step_hook import copies
+
+    lr = 0.1
+    with path():
+        params = [nn.Parameter(torch.randn(shape, device=device())) for shape in SHAPES]
+        optimizer = torch.optim.SGD(params, lr=lr)
+        TrustRatio().attach(optimizer)
+        for _ in range(2):
+            new_grads(params)
+            optimizer.step()
+        from normhooks._kernels import _multi
+
+        read: list[int] = []
+        shapes = copies._shapes
+        monkeypatch.setattr(copies, "_shapes", lambda ts: read.append(1) or shapes(ts))
+        made: list[int] = []
+        table = _multi.table
+        monkeypatch.setattr(_multi, "table", lambda *a, **k: made.append(1) or table(*a, **k))
+        change(params)
+        refilled(params)  # the gradients where they were: the record's kept table stays
+        wanted = [
+            trust_ratio_step_by_hand(p.detach().clone(), p.grad, lr)  # type: ignore[arg-type]
+            for p in params
+        ]
+        optimizer.step()
+    for param, value in zip(params, wanted, strict=True):
+        torch.testing.assert_close(param.detach(), value, rtol=1e-5, atol=1e-6)
+    # The copies' shapes are read only where the record did not hold.
+    assert bool(read) is not held
+    if path is kernel_path:
+        # The copy before the step finds its table with the record; the rescale after it,
+        # past the optimizer's step, looks its own up.
+        assert len(made) == (1 if held else 2)

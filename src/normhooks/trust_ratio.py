@@ -29,6 +29,7 @@ from normhooks import _checks, _kernels
 from normhooks import _torch_compat as compat
 from normhooks._step_hook import (
     Settings,
+    Steady,
     StepHook,
     _Bound,
     _UpdateInFlight,
@@ -279,6 +280,19 @@ def norms_and_reverts_(olds: list[Tensor], params: list[Tensor]) -> tuple[Tensor
     return w_norm, d_norm
 
 
+def _plain_and_contiguous(params: list[Tensor], steady: Steady | None) -> bool:
+    """Whether ``params`` are plain and contiguous, as the kernel's copy takes them: read once
+    per unit record (which fixes every type and layout while it holds), or at each call."""
+    if steady is None:
+        return all_plain(params) and all(map(Tensor.is_contiguous, params))
+    found = steady.kept.get("plain and contiguous")
+    if found is None:
+        found = steady.kept["plain and contiguous"] = all_plain(params) and all(
+            map(Tensor.is_contiguous, params)
+        )
+    return bool(found)
+
+
 def _keep(old: Tensor, new: Tensor) -> None:
     """The op that leaves the old values as they are (their norms alone)."""
 
@@ -457,14 +471,16 @@ class TrustRatio(StepHook, TrustRatioSettings):
     def _copy_in(self, b: _Bound, copies: _Copies) -> tuple[list[Tensor], OldNorms | None]:
         """The copy, with the old values' norms on the way where it can: one kernel launch
         for a CUDA unit (sums of squares), each piece while in cache on the CPU."""
-        params = b.params
+        params, steady = b.params, b.steady
         if (
             not b.unit.reduce
             and _kernels.available(params[0])
-            and all_plain(params)
-            and all(map(Tensor.is_contiguous, params))
+            and _plain_and_contiguous(params, steady)
         ):
-            squares = _kernels.trust_ratio_copy(params, copies.buffer(), *copies.offsets())
+            kept = None if steady is None else steady.kept
+            squares = _kernels.trust_ratio_copy(
+                params, copies.buffer(), *copies.offsets(), kept=kept
+            )
             if squares is not None:  # None: the kernel failed here (warned once)
                 return copies.views, OldNorms(True, squares)
         if self._foreach is not False and in_cache_order(b, copies.views):

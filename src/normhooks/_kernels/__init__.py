@@ -249,14 +249,19 @@ def centralize_unit_(grads: list[Tensor], kept: dict[object, object] | None = No
 
 
 def trust_ratio_copy(
-    params: list[Tensor], flat: Tensor, offsets: Tensor, total: int
+    params: list[Tensor],
+    flat: Tensor,
+    offsets: Tensor,
+    total: int,
+    kept: dict[object, object] | None = None,
 ) -> Tensor | None:
     """:func:`normhooks._kernels.trust_ratio.copy_and_squares`, or None where the kernel failed
     (see :func:`_guarded`): the caller then copies the parameters itself."""
     from normhooks._kernels import trust_ratio
 
     return _guarded(
-        "TrustRatio", lambda: trust_ratio.copy_and_squares(params, flat, offsets, total)
+        "TrustRatio",
+        lambda: trust_ratio.copy_and_squares(params, flat, offsets, total, kept),
     )
 
 

@@ -303,10 +303,16 @@ def _compiled(
 
 
 def _table(
-    params: list[Tensor], flat: Tensor, offsets: Tensor, total: int, capturing: bool
+    params: list[Tensor],
+    flat: Tensor,
+    offsets: Tensor,
+    total: int,
+    capturing: bool,
+    kept: dict[object, object] | None = None,
 ) -> _multi.ChunkTable:
     """The parameters' table, after the checks that cost nothing per tensor (the caller keeps
-    ``offsets`` and ``total`` with ``flat``, made once from the parameters' sizes)."""
+    ``offsets`` and ``total`` with ``flat``, made once from the parameters' sizes); ``kept``
+    as in :func:`normhooks._kernels._multi.prepared`."""
     if flat.dtype != params[0].dtype or flat.device != params[0].device:
         raise ValueError(
             f"the flat buffer is a {flat.dtype} tensor on {flat.device}; the parameters are "
@@ -318,10 +324,20 @@ def _table(
             f"parameter, got {flat.numel()} values and {offsets.numel()} offsets for "
             f"{len(params)} parameters"
         )
-    return _multi.table([params], ("params",), _multi.WHOLE, _CHUNK, capturing, _TECHNIQUE)
+    if kept is None:
+        return _multi.table([params], ("params",), _multi.WHOLE, _CHUNK, capturing, _TECHNIQUE)
+    return _multi.prepared(
+        [params], ("params",), _multi.WHOLE, _CHUNK, capturing, _TECHNIQUE, kept
+    )[2]
 
 
-def copy_and_squares(params: list[Tensor], flat: Tensor, offsets: Tensor, total: int) -> Tensor:
+def copy_and_squares(
+    params: list[Tensor],
+    flat: Tensor,
+    offsets: Tensor,
+    total: int,
+    kept: dict[object, object] | None = None,
+) -> Tensor:
     r"""Copies ``params`` into ``flat`` (one after the other) and returns each one's
     :math:`\sum w^2`, in one launch.
 
@@ -334,12 +350,15 @@ def copy_and_squares(params: list[Tensor], flat: Tensor, offsets: Tensor, total:
         flat: a contiguous buffer of their dtype and device, as long as their sizes added.
         offsets: where each parameter starts in ``flat`` (int64, on the device).
         total: their sizes added, ``flat``'s size.
+        kept: where the caller keeps what is built for exactly these parameters, or None
+            (see :func:`normhooks._kernels._multi.prepared`). The rescale after the step
+            takes none: the optimizer's step came in between.
     """
     device, dtype = params[0].device, params[0].dtype
     acc = compute_dtype(dtype)
     with on_device(device_index(device)):
         capturing = _multi.capturing(device)
-        table = _table(params, flat, offsets, total, capturing)
+        table = _table(params, flat, offsets, total, capturing, kept)
         partials = torch.empty(2 * table.chunks, dtype=acc, device=device)
         squares = torch.empty(len(params), dtype=acc, device=device)
         cache = _compiled(device, dtype, (), ())[0]

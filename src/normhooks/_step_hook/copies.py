@@ -9,6 +9,7 @@ from torch import Tensor
 
 from normhooks import _torch_compat as compat
 from normhooks._step_hook.norms import _CPU_ROW, _CPU_SHORT
+from normhooks._step_hook.steady import Steady
 
 # Values per piece of the CPU order (a multiple of _CPU_ROW): a piece stays in the last level
 # of cache between the op that reads it from memory and the norm that reads it again, and
@@ -21,7 +22,8 @@ class _Copies:
     and a view of it shaped like each parameter.
 
     It is made for one device, dtype and list of shapes, and used again while the unit's
-    parameters have them (:meth:`fits`); every step copies the values in afresh, so nothing
+    parameters have them (:meth:`fits`, which a unit record that holds stands for); every step
+    copies the values in afresh, so nothing
     of an earlier step is ever read. On the CPU the buffer is kept between steps: glibc would
     hand a block that large back to the system at each free, and the next step would fault
     every page in again. Elsewhere its memory goes back to the caching allocator after each
@@ -41,13 +43,25 @@ class _Copies:
         ]
         self._pieces: _Pieces | None = None
         self._offsets: tuple[Tensor, int] | None = None
+        # The unit record under which the parameters were last found to fit (see fits).
+        self._fitted: Steady | None = None
 
     @property
     def views(self) -> list[Tensor]:
         return self._views
 
-    def fits(self, tensors: list[Tensor]) -> bool:
-        return _shapes(tensors) == self._shapes
+    def fits(self, tensors: list[Tensor], steady: Steady | None = None) -> bool:
+        """Whether ``tensors`` have the device, dtype and shapes these copies were made for.
+
+        ``steady``: the unit's record where it holds at this step, ``tensors`` being its
+        parameters. A record that held at a step where they fitted stands for their shapes
+        while it holds, so they are not read again under it.
+        """
+        if steady is not None and steady is self._fitted:
+            return True
+        fits = _shapes(tensors) == self._shapes
+        self._fitted = steady if fits else None
+        return fits
 
     def hold(self, tensors: list[Tensor], foreach: bool | None) -> list[Tensor]:
         """Copies ``tensors`` in; returns the views holding them."""

@@ -86,7 +86,7 @@ class UpdateRun(HookCore):
                     old_norms.append(None)
                     continue
                 copies = b.unit.copies
-                if copies is None or not copies.fits(b.params):
+                if copies is None or not copies.fits(b.params, b.steady):
                     copies = b.unit.copies = _Copies(b.params)
                 b.sources, norms = self._copy_in(b, copies)
                 old_norms.append(norms)
