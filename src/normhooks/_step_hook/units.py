@@ -194,15 +194,10 @@ def record(unit: _Unit, bound: _Bound | None) -> None:
         return
     again, unit.misses = retaken(unit.steady, unit.misses)
     unit.steady = None
-    params, grads, positions = (
-        ([], [], [])
-        if bound is None
-        else (
-            bound.params,
-            bound.grads,
-            bound.positions,
-        )
-    )
+    if bound is None:
+        params, grads, positions = [], [], []
+    else:
+        params, grads, positions = bound.params, bound.grads, bound.positions
     if again and all_plain(params) and all_plain(grads):
         taken = set(positions)
         absent = [i for i, position in enumerate(unit.positions) if position not in taken]
