@@ -23,12 +23,11 @@ class _Copies:
 
     It is made for one device, dtype and list of shapes, and used again while the unit's
     parameters have them (:meth:`fits`, which a unit record that holds stands for); every step
-    copies the values in afresh, so nothing
-    of an earlier step is ever read. On the CPU the buffer is kept between steps: glibc would
-    hand a block that large back to the system at each free, and the next step would fault
-    every page in again. Elsewhere its memory goes back to the caching allocator after each
-    step (the storage is resized to 0 and back, which keeps the views), so that between steps
-    it costs none.
+    copies the values in afresh, so nothing of an earlier step is ever read. On the CPU the
+    buffer is kept between steps: glibc would hand a block that large back to the system at
+    each free, and the next step would fault every page in again. Elsewhere its memory goes
+    back to the caching allocator after each step (the storage is resized to 0 and back, which
+    keeps the views), so that between steps it costs none.
     """
 
     def __init__(self, tensors: list[Tensor]) -> None:

@@ -29,10 +29,10 @@ from normhooks._step_hook.checks import (
 )
 from normhooks._step_hook.core import HookCore
 from normhooks._step_hook.settings import Settings
+from normhooks._step_hook.steady import _ADDRESS
 from normhooks._step_hook.units import FAILED, _Bound, _Unit, _units, record, steady_bind
 
 _DTYPE = operator.attrgetter("dtype")
-_ADDRESS = Tensor.data_ptr
 
 
 @dataclass

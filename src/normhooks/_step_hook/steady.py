@@ -49,8 +49,9 @@ class Steady:
     every step: where backward put them elsewhere the record takes the new ones and clears
     :attr:`kept`.
 
-    ``kept`` is what the kernels built for exactly these tensors (their table of addresses,
-    keyed as they choose): valid while the record holds and the gradients stay where they
+    ``kept`` is what the techniques and their kernels derive from exactly these tensors (a
+    table of addresses, which gradients a technique chooses, whether all are contiguous;
+    keyed as each chooses): valid while the record holds and the gradients stay where they
     are, and cleared here otherwise.
     """
 

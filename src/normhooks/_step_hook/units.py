@@ -187,7 +187,7 @@ def record(unit: _Unit, bound: _Bound | None) -> None:
     caller has found the unit's plan holding at this step, with its fingerprint."""
     if unit.dtensors:
         return
-    if unit.steady is not None and steady_bind(unit) is not FAILED:
+    if unit.steady is not None and unit.steady.bind(list(map(_GRAD, unit.params))) is not None:
         # The step took the long way for another unit or group: this record still serves.
         if bound is not None:
             bound.steady = unit.steady
