@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import importlib
+import os
 from collections.abc import Callable
 from pathlib import Path
 
@@ -273,6 +274,7 @@ def test_conversion_leaves_the_vectors_as_its_warm_up_made_them_in_either_mode()
 def _ddp_rank(rank: int, world: int, init: str, out: str) -> None:
     """One rank: rank 1's vectors are made to differ before each forward of a DDP model."""
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    finished = False
     try:
         torch.manual_seed(0)
         model = apply_spectral_norm(nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 2)))
@@ -287,8 +289,15 @@ def _ddp_rank(rank: int, world: int, init: str, out: str) -> None:
             ddp(x).square().sum().backward()
         state = {name: buffer.clone() for name, buffer in model.named_buffers()}
         torch.save(state, Path(out) / f"rank{rank}.pt")
+        dist.barrier()
+        finished = True
     finally:
         dist.destroy_process_group()
+    if finished:
+        # As tests/distributed_worker.py does: gloo's worker threads can outlive the process
+        # group and abort the interpreter's shutdown (SIGABRT, "terminate called without an
+        # active exception"); a rank that has saved its results has nothing left to clean up.
+        os._exit(0)
 
 
 @pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()), reason="needs gloo")
