@@ -414,3 +414,32 @@ def test_a_change_between_steps_is_seen_on_the_kernel_path(
         assert a.dtype == b.dtype
         assert a.shape == b.shape
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("routed", [False, True], ids=["eager", "kernels"])
+def test_the_cpu_copies_start_each_view_on_a_row_and_keep_the_padding_zero(routed: bool) -> None:
+    """The CPU order reads the copies' buffer whole, as rows of one view each
+    (``_step_hook.copies._Rows``): every view starts a row, and no step writes the padding,
+    whether the copy and rescaling are the eager ops or the kernels (through the offsets)."""
+    torch.manual_seed(0)
+    params = [nn.Parameter(torch.randn(shape)) for shape in [(3,), (1025,), (70, 70), (2048,)]]
+    optimizer = torch.optim.AdamW(params, lr=1e-2, weight_decay=1e-2)
+    trust = normhooks.TrustRatio()
+    trust.attach(optimizer)
+    for _ in range(3):
+        for param in params:
+            param.grad = torch.randn_like(param)
+        with _kernels.route_cpu_tensors() if routed else contextlib.nullcontext():
+            optimizer.step()
+    ((unit,),) = [plan.units for plan in trust._plans[optimizer]]
+    copies = unit.copies
+    flat = copies.buffer()
+    padding = torch.ones(flat.numel(), dtype=torch.bool)
+    for view in copies.views:
+        start = view.storage_offset()
+        assert start % 1024 == 0
+        padding[start : start + view.numel()] = False
+    assert int(padding.sum()) == 1021 + 1023 + (5 * 1024 - 4900) + 0
+    assert torch.equal(flat[padding], torch.zeros(int(padding.sum())))
+    want = torch.stack([view.double().norm() for view in copies.views])
+    torch.testing.assert_close(copies.rows().norms().double(), want, rtol=6e-7, atol=0)

@@ -37,9 +37,9 @@ from normhooks._step_hook import (
     setting,
 )
 from normhooks._step_hook.checks import all_plain
-from normhooks._step_hook.copies import _Copies, _Pieces
+from normhooks._step_hook.copies import _Copies, _Rows
 from normhooks._step_hook.settings import Lr
-from normhooks._step_hook.updates import OldNorms, in_cache_order
+from normhooks._step_hook.updates import OldNorms, in_rows_order
 
 __all__ = ["TrustRatio", "rescale_updates_", "trust_ratios"]
 
@@ -147,43 +147,26 @@ def trust_ratio_unit_(
     return ratios
 
 
-def _rescale_in_cache_order_(
-    pieces: _Pieces,
+def _rescale_in_rows_order_(
+    rows: _Rows,
     olds: list[Tensor],
     params: list[Tensor],
     w_norm: Tensor,
     settings: TrustRatioSettings,
     lr: float | Tensor | None,
 ) -> Tensor:
-    """:func:`trust_ratio_unit_` of float32 CPU tensors whose old values' norms ``w_norm`` the
-    copy took, each long tensor's difference, norm, ratio and rescaling in turn while it is
-    in cache (the short ones together, as :func:`trust_ratio_unit_` takes them), the
-    difference left in ``olds``. The same operations on the same numbers, in another order.
+    """:func:`trust_ratio_unit_` of float32 CPU tensors whose old values ``olds`` (the views
+    of ``rows``' buffer) have the norms ``w_norm``: the difference left in ``olds`` in one
+    multi-tensor call, its norms in one pass over the buffer, the rescaling in one call (its
+    factors' views kept with the rows: unbinding 1 - r at each step would cost a view per
+    tensor). The formula of :func:`trust_ratio_unit_`, with the norms of :class:`_Rows`.
     """
     assert lr is not None  # _check_group refuses a group without a learning rate
-    ratios = torch.empty(pieces.count, dtype=torch.float32)
     step = lr.to(torch.float32) if isinstance(lr, Tensor) else lr
-    if pieces.short:
-        d_norm = pieces.short_norms_after_(params, compat.foreach_sub_)
-        found = trust_ratios(w_norm[pieces.short_index], d_norm / step, settings)
-        # The factors' views are made once per layout: unbinding 1 - r at each step would
-        # cost a view per tensor.
-        pieces.factors.copy_(1 - found)
-        short = pieces.short
-        compat.foreach_addcmul_(
-            [params[i] for i in short], [olds[i] for i in short], pieces.factor_views
-        )
-        ratios[pieces.short_index] = found
-    if pieces.long:
-        vector_norm = torch.linalg.vector_norm
-        found_long = []
-        for i, rows in pieces.long_rows_after_(params, Tensor.sub_):
-            # The rows' squares added in float64, as euclidean_norms adds them.
-            d_norm = vector_norm(rows, dtype=torch.float64).float().reshape(1)
-            ratio = trust_ratios(w_norm[i : i + 1], d_norm / step, settings)
-            params[i].addcmul_(olds[i], 1 - ratio)
-            found_long.append(ratio)
-        ratios[pieces.long_index] = torch.cat(found_long)
+    compat.foreach_sub_(olds, params)
+    ratios = trust_ratios(w_norm, rows.norms() / step, settings)
+    rows.factors.copy_(1 - ratios)
+    compat.foreach_addcmul_(params, olds, rows.factor_views)
     return ratios
 
 
@@ -259,10 +242,9 @@ def _uncorrected_unit_(
 def norms_and_reverts_(olds: list[Tensor], params: list[Tensor]) -> tuple[Tensor, Tensor]:
     """``(||w_old||, ||w_old - w_new||)`` of float32 CPU tensors, the difference left in ``olds``.
 
-    The norms of :func:`~normhooks._step_hook.euclidean_norms` (rows of ``_CPU_ROW`` values
-    whose squares are added in float64 for tensors of more than ``_CPU_SHORT`` values, one
-    multi-tensor call for the rest), the difference's taken piece by piece while each piece
-    is in cache. The hook itself takes the old values' norms with their copy, before the step
+    The norms of the CPU order (:class:`~normhooks._step_hook.copies._Rows`: float32 norms
+    of rows of ``_CPU_ROW`` values, their squares added in float64), taken over copies laid
+    out in rows; the hook itself takes the old values' norms with their copy, before the step
     (:meth:`~normhooks._step_hook.copies._Copies.hold_with_norms`).
 
     Example:
@@ -270,13 +252,11 @@ def norms_and_reverts_(olds: list[Tensor], params: list[Tensor]) -> tuple[Tensor
         >>> norms_and_reverts_(olds, news), olds
         ((tensor([5.]), tensor([2.])), [tensor([0., 2.])])
     """
-    contiguous = [old if old.is_contiguous() else old.contiguous() for old in olds]
-    pieces = _Pieces(contiguous)
-    w_norm = pieces.norms_after_(params, _keep, _keep_all)
-    d_norm = pieces.norms_after_(params, Tensor.sub_, compat.foreach_sub_)
-    for old, kept in zip(olds, contiguous, strict=True):
-        if kept is not old:
-            old.copy_(kept)
+    copies = _Copies(olds)
+    held, w_norm = copies.hold_with_norms(olds)
+    compat.foreach_sub_(held, params)
+    d_norm = copies.rows().norms()
+    compat.foreach_copy_(olds, held)
     return w_norm, d_norm
 
 
@@ -291,14 +271,6 @@ def _plain_and_contiguous(params: list[Tensor], steady: Steady | None) -> bool:
             map(Tensor.is_contiguous, params)
         )
     return bool(found)
-
-
-def _keep(old: Tensor, new: Tensor) -> None:
-    """The op that leaves the old values as they are (their norms alone)."""
-
-
-def _keep_all(olds: list[Tensor], news: list[Tensor]) -> None:
-    """:func:`_keep` on lists."""
 
 
 class TrustRatio(StepHook, TrustRatioSettings):
@@ -358,8 +330,9 @@ class TrustRatio(StepHook, TrustRatioSettings):
     the old weights' norms before the step, the update's norm with the ratio and the
     rescaling after it (:mod:`normhooks._kernels.trust_ratio`; sharded units and
     ``bias_correction=False`` groups take the multi-tensor ops). On the CPU, float32 tensors
-    are taken in pieces that stay in cache: the old weights' norm with the copy, the
-    difference's with the subtraction. Elsewhere the copy, the norms and the rescaling are
+    are copied into a buffer laid out in rows, whose norms one call takes over the whole
+    buffer: the copy, the difference and the rescaling are one multi-tensor op each, and
+    each set of norms one pass. Elsewhere the copy, the norms and the rescaling are
     multi-tensor ops (``foreach``). Nothing is read back to the host. The optimizer's
     ``state_dict`` is untouched.
 
@@ -470,7 +443,7 @@ class TrustRatio(StepHook, TrustRatioSettings):
 
     def _copy_in(self, b: _Bound, copies: _Copies) -> tuple[list[Tensor], OldNorms | None]:
         """The copy, with the old values' norms on the way where it can: one kernel launch
-        for a CUDA unit (sums of squares), each piece while in cache on the CPU."""
+        for a CUDA unit (sums of squares), one pass over the copies' rows on the CPU."""
         params, steady = b.params, b.steady
         if (
             not b.unit.reduce
@@ -483,15 +456,15 @@ class TrustRatio(StepHook, TrustRatioSettings):
             )
             if squares is not None:  # None: the kernel failed here (warned once)
                 return copies.views, OldNorms(True, squares)
-        if self._foreach is not False and in_cache_order(b, copies.views):
+        if self._foreach is not False and in_rows_order(b):
             views, norms = copies.hold_with_norms(params)
             return views, OldNorms(False, norms)
         return super()._copy_in(b, copies)
 
     def _finish_units(self, pending: _UpdateInFlight, flat: list[_Bound]) -> dict[int, Tensor]:
         """The kernel's units whose group takes it (two launches each), and on the CPU every
-        unit with its norms from its copy's, the difference's taken piece by piece in cache,
-        and its factors' views kept with the pieces."""
+        unit with its norms from its copy's, the difference's from one pass over the
+        copies' rows, and its factors' views kept with the rows."""
         done: dict[int, Tensor] = {}
         index = 0
         for (settings, lr), of_group in zip(pending.jobs, pending.bound, strict=True):
@@ -501,17 +474,17 @@ class TrustRatio(StepHook, TrustRatioSettings):
                     ratios = self._kernel_rescale(b, settings, lr, old.values)
                     if ratios is not None:
                         done[index] = ratios
-                elif old is not None and in_cache_order(b, b.sources):
+                elif old is not None and in_rows_order(b):
                     assert b.unit.copies is not None  # it took the copy that gave ``old``
-                    pieces = b.unit.copies.pieces()
+                    rows = b.unit.copies.rows()
                     tr = cast(TrustRatioSettings, settings)
                     if tr.bias_correction:
-                        done[index] = _rescale_in_cache_order_(
-                            pieces, b.sources, b.params, old.values, tr, lr
+                        done[index] = _rescale_in_rows_order_(
+                            rows, b.sources, b.params, old.values, tr, lr
                         )
                     else:
-                        d_norm = pieces.norms_after_(b.params, Tensor.sub_, compat.foreach_sub_)
-                        b.norms = (old.values, d_norm)
+                        compat.foreach_sub_(b.sources, b.params)
+                        b.norms = (old.values, rows.norms())
                 index += 1
         return done
 

@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from normhooks import _torch_compat as compat
+from normhooks._step_hook.checks import all_plain
 from normhooks._step_hook.copies import _Copies, _fresh_copies
 from normhooks._step_hook.core import HookCore
 from normhooks._step_hook.norms import euclidean_norms
@@ -44,17 +45,18 @@ class _UpdateInFlight:
     old_norms: list[OldNorms | None] = field(default_factory=list)
 
 
-def in_cache_order(b: _Bound, olds: list[Tensor]) -> bool:
-    """Whether unit ``b``, whose old values are ``olds``, takes the CPU order of
-    :class:`~normhooks._step_hook.copies._Pieces`: local float32 CPU tensors in eager code,
-    the old values contiguous (float64 ones keep float64 norms, the rest the base's order)."""
+def in_rows_order(b: _Bound) -> bool:
+    """Whether unit ``b`` takes the CPU order of :class:`~normhooks._step_hook.copies._Rows`
+    over its copies' views: local float32 CPU tensors of plain types in eager code (float64
+    ones keep float64 norms, the rest the base's order). The views, contiguous and plain as
+    :class:`~normhooks._step_hook.copies._Copies` makes them, need no check."""
     first = b.params[0]
     return (
         not b.unit.reduce
         and first.is_cpu
         and first.dtype == torch.float32
-        and all(old.is_contiguous() for old in olds)
-        and compat.plain_eager(*b.params, *olds)
+        and compat.plain_eager()
+        and all_plain(b.params)
     )
 
 
