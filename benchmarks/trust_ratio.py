@@ -7,7 +7,10 @@ same numbers: its exact counterpart is ``TrustRatio(bias_correction=False,
 max_weight_norm=10)`` on Adam, see docs/migrating/lamb.md) in its multi-tensor and its
 per-tensor mode; timm's ``Lamb`` (gradient clipping off, ``always_adapt=True``: the same
 maths) when timm imports, and otherwise a multi-tensor LAMB step written here from the paper
-(arXiv:1904.00962, Algorithm 2 with bias correction), labelled as such.
+(arXiv:1904.00962, Algorithm 2 with bias correction), labelled as such. The floor is AdamW
+with the passes over memory that a hook on any optimizer's update cannot do without, written
+here with torch's multi-tensor ops: the copy before the step, the difference and a rescaling
+after it, without the two sets of norms the trust ratio adds.
 
     python benchmarks/trust_ratio.py [--device cuda] [--repeats 15]
 """
@@ -88,12 +91,36 @@ def adamw(params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, **LAMB, foreach=True)
 
 
+def passes_floor(optimizer: torch.optim.Optimizer) -> Step:
+    """``optimizer``'s step with the least an update hook moves through memory: each parameter
+    copied before the step, then ``old - new`` and ``new += c * (old - new)`` after it (a
+    constant ``c``: no norm is taken)."""
+    params = optimizer.param_groups[0]["params"]
+    olds = [torch.empty_like(p) for p in params]
+
+    def copy_in(*_: object) -> None:
+        with torch.no_grad():
+            torch._foreach_copy_(olds, params)
+
+    def rescale(*_: object) -> None:
+        with torch.no_grad():
+            torch._foreach_sub_(olds, params)
+            torch._foreach_add_(params, olds, alpha=1e-3)
+
+    optimizer.register_step_pre_hook(copy_in)
+    optimizer.register_step_post_hook(rescale)
+    return optimizer.step
+
+
 def candidates(shapes: list[list[int]], device: torch.device) -> dict[str, Step]:
     peer_name, make_peer = lamb_peer()
     return {
         "AdamW alone": optimizer_for(shapes, device, adamw).step,
         "AdamW alone, again (noise)": optimizer_for(shapes, device, adamw).step,
         "TrustRatio + AdamW": hooked(optimizer_for(shapes, device, adamw), TrustRatio()),
+        "AdamW + copy, difference, rescaling (floor)": passes_floor(
+            optimizer_for(shapes, device, adamw)
+        ),
         "pytorch-optimizer Lamb (foreach)": optimizer_for(
             shapes, device, pytorch_optimizer_lamb(foreach=True)
         ).step,

@@ -22,10 +22,10 @@ class _Copies:
     back to the caching allocator after each step (the storage is resized to 0 and back, which
     keeps the views), so that between steps it costs none.
 
-    On the CPU each view starts at a multiple of ``_CPU_ROW`` values, and the padding is zeros
-    that nothing writes (every op and kernel writes the views only): :class:`_Rows` reads the
-    buffer, kept there, whole as rows of one view each. Elsewhere the views lie one after the
-    other.
+    On the CPU each view starts at a multiple of ``_CPU_ROW`` values (at most ``_CPU_ROW - 1``
+    values of padding per parameter), and the padding is zeros that nothing writes (every op
+    and kernel writes the views only): :class:`_Rows` reads the buffer, kept there, whole as
+    rows of one view each. Elsewhere the views lie one after the other.
     """
 
     def __init__(self, tensors: list[Tensor]) -> None:
