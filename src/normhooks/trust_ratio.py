@@ -252,6 +252,8 @@ def norms_and_reverts_(olds: list[Tensor], params: list[Tensor]) -> tuple[Tensor
         >>> norms_and_reverts_(olds, news), olds
         ((tensor([5.]), tensor([2.])), [tensor([0., 2.])])
     """
+    if not olds:
+        return torch.empty(0), torch.empty(0)
     copies = _Copies(olds)
     held, w_norm = copies.hold_with_norms(olds)
     compat.foreach_sub_(held, params)

@@ -311,7 +311,7 @@ def _table(
     kept: dict[object, object] | None = None,
 ) -> _multi.ChunkTable:
     """The parameters' table, after the checks that cost nothing per tensor (the caller keeps
-    ``offsets`` and ``total`` with ``flat``, made once from the parameters' sizes); ``kept``
+    ``offsets`` and ``total`` with ``flat``, made once from its views' places); ``kept``
     as in :func:`normhooks._kernels._multi.prepared`."""
     if flat.dtype != params[0].dtype or flat.device != params[0].device:
         raise ValueError(
@@ -338,7 +338,7 @@ def copy_and_squares(
     total: int,
     kept: dict[object, object] | None = None,
 ) -> Tensor:
-    r"""Copies ``params`` into ``flat`` (one after the other) and returns each one's
+    r"""Copies ``params`` into ``flat`` (each from its offset) and returns each one's
     :math:`\sum w^2`, in one launch.
 
     The sums are in the parameters' compute dtype (float32 for halves), on their device; no
@@ -347,9 +347,11 @@ def copy_and_squares(
 
     Args:
         params: the parameters, contiguous, of one device and floating dtype.
-        flat: a contiguous buffer of their dtype and device, as long as their sizes added.
-        offsets: where each parameter starts in ``flat`` (int64, on the device).
-        total: their sizes added, ``flat``'s size.
+        flat: a contiguous buffer of their dtype and device, at least as long as their
+            sizes added (the hook's pads each parameter to a row on the CPU).
+        offsets: where each parameter starts in ``flat`` (int64, on the device), the
+            parameters' places not overlapping.
+        total: ``flat``'s size.
         kept: where the caller keeps what is built for exactly these parameters, or None
             (see :func:`normhooks._kernels._multi.prepared`). The rescale after the step
             takes none: the optimizer's step came in between.

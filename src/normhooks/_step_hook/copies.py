@@ -22,17 +22,20 @@ class _Copies:
     back to the caching allocator after each step (the storage is resized to 0 and back, which
     keeps the views), so that between steps it costs none.
 
-    On the CPU each view starts at a multiple of ``_CPU_ROW`` values (at most ``_CPU_ROW - 1``
-    values of padding per parameter), and the padding is zeros that nothing writes (every op
-    and kernel writes the views only): :class:`_Rows` reads the buffer, kept there, whole as
-    rows of one view each. Elsewhere the views lie one after the other.
+    Float32 copies on the CPU start each view at a multiple of ``_CPU_ROW`` values (at most
+    ``_CPU_ROW - 1`` values of padding per parameter), and the padding is zeros that nothing
+    writes (every op and kernel writes the views only; the CPU's buffer is never released,
+    whose memory would come back unzeroed): :class:`_Rows` reads the buffer whole as rows of
+    one view each. Other copies lie one after the other.
     """
 
     def __init__(self, tensors: list[Tensor]) -> None:
         self._shapes = _shapes(tensors)
         numels = [t.numel() for t in tensors]
         device, dtype = tensors[0].device, tensors[0].dtype
-        if device.type == "cpu":
+        # The copies the CPU order reads as rows (see in_rows_order).
+        self._in_rows = device.type == "cpu" and dtype == torch.float32
+        if self._in_rows:
             # Each view starts at a multiple of _CPU_ROW values, the padding zero and never
             # written (only the views are): the buffer is then rows of one view each (_Rows).
             spans = [-(-n // _CPU_ROW) * _CPU_ROW for n in numels]
@@ -115,6 +118,7 @@ class _Copies:
     def rows(self) -> _Rows:
         """The CPU order's rows of the buffer of float32 CPU copies (made at the first call,
         kept with them)."""
+        assert self._in_rows, "only float32 CPU copies are laid out in rows"
         if self._rows is None:
             self._rows = _Rows(self._flat, self._views)
         return self._rows
