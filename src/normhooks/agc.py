@@ -347,6 +347,8 @@ class AdaptiveGradientClipping(StepHook, AGCSettings):
     row_wise = True
     scaled_gradients = True
     _unit_ = staticmethod(agc_unit_)
+    # The kernel branch of the unit function is one kernel entry's call and nothing else.
+    replays = True
 
     def __init__(
         self, clipping: float = 0.01, eps: float = 1e-3, *, foreach: bool | None = None

@@ -24,6 +24,7 @@ from normhooks import _torch_compat as compat
 from normhooks._precision import HALF_DTYPES, compute_dtype
 from normhooks._step_hook import Settings, Steady, StepHook, setting
 from normhooks._step_hook.checks import all_plain
+from normhooks._step_hook.steady import REPLAY
 
 __all__ = ["GradientCentralization", "centralize_gradients_"]
 
@@ -87,6 +88,8 @@ def centralize_unit_(
         and (steady is not None or all_plain(chosen))
         and _kernels.centralize_unit_(chosen, kept)  # False: the kernel failed here (warned)
     ):
+        if steady is not None and kept is not None and REPLAY in kept:
+            steady.kept[REPLAY] = kept.pop(REPLAY)  # what the record replays (keep_replay)
         return
     if foreach is False or chosen[0].is_cpu or chosen[0].dtype in HALF_DTYPES:
         # One tensor at a time, its mean then its subtraction: on the CPU the second pass
@@ -191,6 +194,8 @@ class GradientCentralization(StepHook, GCSettings):
     # Rows along dim 0 are whole on each rank: no norm of a whole tensor, no collective.
     whole_norms = False
     _unit_ = staticmethod(centralize_unit_)
+    # The kernel branch of the unit function is one kernel entry's call and nothing else.
+    replays = True
 
     def __init__(self, conv_only: bool = False, *, foreach: bool | None = None) -> None:
         super().__init__(conv_only=conv_only, foreach=foreach)

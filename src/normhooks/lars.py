@@ -469,6 +469,8 @@ class GradientLARS(StepHook, LARSSettings):
     # The fused kernel reads scaled gradients and writes unscaled ones in one pass.
     scaled_gradients = True
     _unit_ = staticmethod(lars_unit_)
+    # The kernel branch of the unit function is one kernel entry's call and nothing else.
+    replays = True
 
     def __init__(
         self,

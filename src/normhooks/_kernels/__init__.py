@@ -225,7 +225,7 @@ def lars_unit_(params: list[Tensor], grads: list[Tensor], **settings: Any) -> Te
     :func:`_guarded`)."""
     from normhooks._kernels import lars
 
-    return _guarded("LARS", lambda: lars.lars_unit_(params, grads, **settings))
+    return _guarded("LARS", lambda: lars.lars_unit_(params, grads, **settings, allowed=available))
 
 
 def agc_unit_(params: list[Tensor], grads: list[Tensor], **settings: Any) -> Tensor | None:
@@ -233,7 +233,7 @@ def agc_unit_(params: list[Tensor], grads: list[Tensor], **settings: Any) -> Ten
     :func:`_guarded`)."""
     from normhooks._kernels import agc
 
-    return _guarded("AGC", lambda: agc.agc_unit_(params, grads, **settings))
+    return _guarded("AGC", lambda: agc.agc_unit_(params, grads, **settings, allowed=available))
 
 
 def centralize_unit_(grads: list[Tensor], kept: dict[object, object] | None = None) -> bool:
@@ -242,7 +242,7 @@ def centralize_unit_(grads: list[Tensor], kept: dict[object, object] | None = No
     from normhooks._kernels import gradient_centralization
 
     def run() -> bool:
-        gradient_centralization.centralize_unit_(grads, kept)
+        gradient_centralization.centralize_unit_(grads, kept, allowed=available)
         return True
 
     return _guarded("gradient centralization", run) is not None

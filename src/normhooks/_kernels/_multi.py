@@ -21,7 +21,9 @@ validity rule of what this module keeps, with two additions: a launch that fails
 table (:func:`drop_tables`, called by ``normhooks._kernels._guarded``): one stopped part way
 may have left a row's count of arrived programs above zero, which a later launch must not
 find; and a caller that can prove its lists unchanged (a step hook's unit record) keeps their
-table itself, to find it without building the key (:func:`prepared`).
+table itself, to find it without building the key (:func:`prepared`), and may keep the
+launches an entry made on them to make again without the entry's per-call work
+(:class:`Replay`).
 Tensors whose rows are not laid out as the kernels read them go through contiguous copies
 (:func:`laid_out`), and their tables are made again at every call.
 """
@@ -32,9 +34,9 @@ Tensors whose rows are not laid out as the kernels read them go through contiguo
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from operator import attrgetter
-from typing import cast
+from typing import Any, cast
 
 import torch
 import triton
@@ -44,6 +46,7 @@ from torch import Tensor
 from normhooks._kernels._cache import KeyedCache
 from normhooks._kernels._common import DeviceTable, current_stream
 from normhooks._kernels._common import tl_dtype as _tl_dtype
+from normhooks._step_hook.steady import REPLAY
 
 # How a tensor is cut into rows.
 WHOLE = "whole"
@@ -268,6 +271,76 @@ def prepared(
     if kept is not None and not any(copied):
         kept[(rows, chunk, len(lists))] = (_generation, made)
     return laid, copied, made
+
+
+class Replay:
+    """The launches a kernel entry just made on the tensors that a caller's ``kept`` stands
+    for (:func:`prepared`), made again by calling it, without the entry's per-call work:
+    ``replay(lr)`` returns what the entry returned, for the same arguments but ``lr``.
+
+    An entry leaves one in ``kept`` under ``REPLAY`` (``normhooks._step_hook.steady``)
+    only where it copied no tensor, was given no GradScaler argument, was not capturing a
+    CUDA graph, and took no float ``lr`` into the launch's constants. What makes it valid:
+
+    - the caller's proof that the tensors are as they were: a step hook's unit record that
+      holds (its ``kept`` is cleared where a gradient moved);
+    - the same arguments but ``lr``, which the caller checks: a technique's settings object,
+      and an ``lr`` of the same kind (a float, a tensor or None);
+    - :meth:`holds`, at each call: the tables' generation it was made in
+      (:func:`drop_tables`), no capture on the current stream, and the kernels still allowed
+      on these tensors (``allowed``, the package's ``available``: switched on, not broken,
+      the CPU routed where they are CPU tensors, plain eager code).
+    """
+
+    __slots__ = ("_allowed", "_generation", "_launch", "_probe", "_table")
+
+    def __init__(
+        self,
+        table: ChunkTable,
+        probe: Tensor,
+        launch: Callable[[Any], Tensor | None],
+        allowed: Callable[[Tensor], bool],
+    ) -> None:
+        self._generation = _generation
+        self._table = table
+        self._probe = probe
+        self._launch = launch
+        self._allowed = allowed
+
+    def holds(self) -> bool:
+        return (
+            self._generation == _generation
+            and not capturing(self._probe.device)
+            and self._allowed(self._probe)
+        )
+
+    def __call__(self, lr: Any) -> Tensor | None:
+        table = self._table
+        table.use_on(current_stream(table.storage.device))
+        try:
+            return self._launch(lr)
+        except KernelFailedError as failure:
+            # The same launches ran at the last step: a failure now is the device's, after
+            # other units may have been done. Raised, never computed again by the formula.
+            drop_tables()
+            raise failure.error from None
+
+
+def keep_replay(
+    kept: dict[object, object] | None,
+    replayable: bool,
+    table: ChunkTable,
+    probe: Tensor,
+    launch: Callable[[Any], Tensor | None],
+    allowed: Callable[[Tensor], bool] | None,
+) -> None:
+    """Leaves in ``kept`` (an entry's, see :func:`prepared`) the :class:`Replay` of the
+    launches just made, or None where they are not ``replayable`` or no ``allowed`` (the
+    package's check that the kernels may run on a tensor) was given."""
+    if kept is not None:
+        kept[REPLAY] = (
+            Replay(table, probe, launch, allowed) if replayable and allowed is not None else None
+        )
 
 
 def check(lists: Sequence[Sequence[Tensor]], names: Sequence[str]) -> None:

@@ -19,6 +19,8 @@ do, so the result does not depend on the order programs run in.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -259,6 +261,7 @@ def agc_unit_(
     grad_scale: Tensor | None,
     found_inf: Tensor | None,
     kept: dict[object, object] | None = None,
+    allowed: Callable[[Tensor], bool] | None = None,
 ) -> Tensor:
     r"""Clips each row of ``grads`` in place, as :func:`normhooks.agc_` does, in two launches.
 
@@ -286,6 +289,9 @@ def agc_unit_(
         found_inf: the overflow flag to raise, or None.
         kept: where the caller keeps what is built for exactly these tensors, or None (see
             :func:`normhooks._kernels._multi.prepared`).
+        allowed: whether the kernels may run on a tensor (the package's ``available``), for
+            the launches' replay kept in ``kept`` (:class:`~normhooks._kernels._multi.Replay`);
+            None keeps none.
 
     Returns:
         Each tensor's largest ratio :math:`\|G_i\| / b_i` before clipping (0 for a zero
@@ -294,7 +300,6 @@ def agc_unit_(
     if not params and not grads:
         return torch.empty(0)
     device, dtype = params[0].device, params[0].dtype
-    acc = compute_dtype(dtype)
     if found_inf is not None and (found_inf.dtype != torch.float32 or found_inf.numel() != 1):
         raise ValueError(
             "found_inf must be a 1-element float32 tensor (GradScaler's flag), got "
@@ -307,43 +312,71 @@ def agc_unit_(
         (params, grads), (_, copied), table = _multi.prepared(
             [params, grads], ("params", "grads"), _multi.DIM0, _CHUNK, capturing, "AGC", kept
         )
-        # Two values per chunk: its partial sums, then its row's factor and ratio.
-        scratch = torch.empty(2 * table.chunks, dtype=acc, device=device)
-        maxima = torch.empty(len(params), dtype=acc, device=device)
-        scale = maxima
-        if grad_scale is not None:
-            scale = grad_scale if grad_scale.device == device else grad_scale.to(device)
-        flag = maxima if found_inf is None else found_inf
+        scale = grad_scale
+        if grad_scale is not None and grad_scale.device != device:
+            scale = grad_scale.to(device)
         first, second = _compiled(
             device,
             dtype,
-            None if grad_scale is None else scale.dtype,
+            None if scale is None else scale.dtype,
             found_inf is not None,
             scalars,
         )
-        try:
-            _launch(
-                (table.chunks, 1),
-                index,
-                table,
-                scratch,
-                maxima,
-                scale,
-                flag,
-                first,
-                second,
-                scalars,
-                _tl_dtype(dtype),
-                acc_dtype(dtype),
-                grad_scale is not None,
-                found_inf is not None,
-            )
-        except Exception as error:
-            # A kernel that cannot compile or launch here fails before it writes: the caller
-            # computes the plain formula (normhooks._kernels.agc_unit_).
-            raise KernelFailedError(error) from error
+        run = functools.partial(
+            _run, table, index, len(params), first, second, scalars, dtype, device
+        )
+        maxima = run(scale, found_inf)
+        _multi.keep_replay(
+            kept,
+            not copied and scale is None and found_inf is None and not capturing,
+            table,
+            params[0],
+            lambda lr: run(None, None),
+            allowed,
+        )
     for grad, copy in copied:
         grad.copy_(copy)
+    return maxima
+
+
+def _run(
+    table: _multi.ChunkTable,
+    index: int | None,
+    count: int,
+    first: dict[Any, Any],
+    second: dict[Any, Any],
+    scalars: tuple[int, ...],
+    dtype: torch.dtype,
+    device: torch.device,
+    scale: Tensor | None,
+    found_inf: Tensor | None,
+) -> Tensor:
+    """The outputs of :func:`agc_unit_` made, then its two launches; returns the maxima."""
+    acc = compute_dtype(dtype)
+    # Two values per chunk: its partial sums, then its row's factor and ratio.
+    scratch = torch.empty(2 * table.chunks, dtype=acc, device=device)
+    maxima = torch.empty(count, dtype=acc, device=device)
+    try:
+        _launch(
+            (table.chunks, 1),
+            index,
+            table,
+            scratch,
+            maxima,
+            maxima if scale is None else scale,
+            maxima if found_inf is None else found_inf,
+            first,
+            second,
+            scalars,
+            _tl_dtype(dtype),
+            acc_dtype(dtype),
+            scale is not None,
+            found_inf is not None,
+        )
+    except Exception as error:
+        # A kernel that cannot compile or launch here fails before it writes: the caller
+        # computes the plain formula (normhooks._kernels.agc_unit_).
+        raise KernelFailedError(error) from error
     return maxima
 
 

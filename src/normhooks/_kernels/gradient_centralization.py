@@ -16,6 +16,7 @@ which their table says (a function of their shapes, so no value is read back to 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
@@ -144,7 +145,11 @@ class _Variants(NamedTuple):
 _variants: KeyedCache[tuple[object, ...], _Variants] = KeyedCache()
 
 
-def centralize_unit_(grads: list[Tensor], kept: dict[object, object] | None = None) -> None:
+def centralize_unit_(
+    grads: list[Tensor],
+    kept: dict[object, object] | None = None,
+    allowed: Callable[[Tensor], bool] | None = None,
+) -> None:
     r"""Centralizes each of ``grads`` in place along dim 0, in one launch (two where a row spans
     several chunks): every row :math:`G_i` becomes :math:`G_i - \frac{1}{M} \sum_j G_{i,j}`.
 
@@ -160,6 +165,9 @@ def centralize_unit_(grads: list[Tensor], kept: dict[object, object] | None = No
         grads: the gradients, all of one device and floating dtype.
         kept: where the caller keeps what is built for exactly these tensors, or None (see
             :func:`normhooks._kernels._multi.prepared`).
+        allowed: whether the kernels may run on a tensor (the package's ``available``), for
+            the launch's replay kept in ``kept`` (:class:`~normhooks._kernels._multi.Replay`);
+            None keeps none.
 
     Raises:
         KernelFailedError: the kernel failed to compile or launch, before writing a value.
@@ -177,19 +185,35 @@ def centralize_unit_(grads: list[Tensor], kept: dict[object, object] | None = No
             (device, dtype, _BLOCK, _PARTIALS_BLOCK),
             lambda: _Variants({}, {}, torch.empty(2, dtype=acc, device=device)),
         )
-        partials = means = variants.unused
-        if table.long_rows[1]:
-            partials = torch.empty(2 * table.chunks, dtype=acc, device=device)
-            means = torch.empty(table.rows, dtype=acc, device=device)
-        try:
-            _launch(table, partials, means, variants, dtype)
-        except Exception as error:
-            # The caller computes the plain formula (normhooks._kernels.centralize_unit_).
-            # A failure comes before the first write, or between the launches: then the rows
-            # of one chunk are centralized twice, a projection, the same up to rounding.
-            raise KernelFailedError(error) from error
+        _run(table, variants, dtype)
+        _multi.keep_replay(
+            kept,
+            not copied and not captured,
+            table,
+            grads[0],
+            lambda lr: _run(table, variants, dtype),
+            allowed,
+        )
     for grad, copy in copied:
         grad.copy_(copy)
+
+
+def _run(table: _multi.ChunkTable, variants: _Variants, dtype: torch.dtype) -> None:
+    """The scratch of :func:`centralize_unit_` made where rows span chunks, then its
+    launches."""
+    partials = means = variants.unused
+    if table.long_rows[1]:
+        acc = compute_dtype(dtype)
+        device = table.storage.device
+        partials = torch.empty(2 * table.chunks, dtype=acc, device=device)
+        means = torch.empty(table.rows, dtype=acc, device=device)
+    try:
+        _launch(table, partials, means, variants, dtype)
+    except Exception as error:
+        # The caller computes the plain formula (normhooks._kernels.centralize_unit_).
+        # A failure comes before the first write, or between the launches: then the rows
+        # of one chunk are centralized twice, a projection, the same up to rounding.
+        raise KernelFailedError(error) from error
 
 
 def _launch(

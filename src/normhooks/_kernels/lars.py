@@ -15,6 +15,8 @@ Both launch through :class:`~normhooks._kernels._launch.Kernel`: a call signatur
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -279,6 +281,7 @@ def lars_unit_(
     found_inf: Tensor | None,
     zero_grad_mode: str = "scale",
     kept: dict[object, object] | None = None,
+    allowed: Callable[[Tensor], bool] | None = None,
 ) -> Tensor:
     r"""Rewrites each ``grads[i]`` in place as :math:`r_i\,(g_i / s + \beta w_i)`, in two launches.
 
@@ -314,6 +317,9 @@ def lars_unit_(
         zero_grad_mode: ``"scale"``, ``"decay"`` or ``"skip"``, as in :func:`normhooks.lars_`.
         kept: where the caller keeps what is built for exactly these tensors, or None (see
             :func:`normhooks._kernels._multi.prepared`).
+        allowed: whether the kernels may run on a tensor (the package's ``available``), for
+            the launches' replay kept in ``kept`` (:class:`~normhooks._kernels._multi.Replay`);
+            None keeps none.
 
     Returns:
         The rates, 1-D, one per tensor, in float32 for half dtypes and in the dtype otherwise.
@@ -321,7 +327,6 @@ def lars_unit_(
     if not params and not grads:
         return torch.empty(0)
     device, dtype = params[0].device, params[0].dtype
-    acc = compute_dtype(dtype)
     if found_inf is not None and (found_inf.dtype != torch.float32 or found_inf.numel() != 1):
         raise ValueError(
             "found_inf must be a 1-element float32 tensor (GradScaler's flag), got "
@@ -359,50 +364,91 @@ def lars_unit_(
         (params, grads), (_, copied), table = _multi.prepared(
             [params, grads], ("params", "grads"), _multi.WHOLE, _CHUNK, capturing, "LARS", kept
         )
-        partials = torch.empty(2 * table.chunks, dtype=acc, device=device)
-        rates = torch.empty(len(params), dtype=acc, device=device)
-        scale = rates
-        if grad_scale is not None:
-            scale = grad_scale if grad_scale.device == device else grad_scale.to(device)
-        lr_tensor = rates
-        if isinstance(lr, Tensor):
-            lr_tensor = lr if lr.device == device and lr.dtype == acc else lr.to(device, acc)
-        flag = rates if found_inf is None else found_inf
+        scale = grad_scale
+        if grad_scale is not None and grad_scale.device != device:
+            scale = grad_scale.to(device)
         squares_and_rates, scale_kernel = _compiled(
             device,
             dtype,
-            None if grad_scale is None else scale.dtype,
+            None if scale is None else scale.dtype,
             flags,
             scalars,
             found_inf is not None,
         )
-        dtype_tl, acc_tl = _tl_dtype(dtype), acc_dtype(dtype)
-        grid = (table.chunks, 1)
-        index = device_index(device)
-        try:
-            _launch(
-                grid,
-                index,
-                table,
-                partials,
-                rates,
-                scale,
-                lr_tensor,
-                flag,
-                squares_and_rates,
-                scale_kernel,
-                scalars,
-                flags,
-                dtype_tl,
-                acc_tl,
-                found_inf is not None,
-            )
-        except Exception as error:
-            # A kernel that cannot compile or launch here fails before it writes: the caller
-            # computes the plain formula (normhooks._kernels.lars_unit_).
-            raise _multi.KernelFailedError(error) from error
+        run = functools.partial(
+            _run,
+            table,
+            device_index(device),
+            len(params),
+            squares_and_rates,
+            scale_kernel,
+            scalars,
+            flags,
+            dtype,
+            device,
+        )
+        rates = run(scale, lr, found_inf)
+        # A float lr that clipping divides by is one of the launch's constants: not replayed.
+        _multi.keep_replay(
+            kept,
+            not copied
+            and scale is None
+            and found_inf is None
+            and not capturing
+            and not (clipping and not lr_is_tensor),
+            table,
+            params[0],
+            lambda lr: run(None, lr, None),
+            allowed,
+        )
     for grad, copy in copied:
         grad.copy_(copy)
+    return rates
+
+
+def _run(
+    table: _multi.ChunkTable,
+    index: int | None,
+    count: int,
+    squares_and_rates: dict[Any, Any],
+    scale_kernel: dict[Any, Any],
+    scalars: tuple[int, ...],
+    flags: tuple[bool, ...],
+    dtype: torch.dtype,
+    device: torch.device,
+    scale: Tensor | None,
+    lr: float | Tensor | None,
+    found_inf: Tensor | None,
+) -> Tensor:
+    """The outputs of :func:`lars_unit_` made, then its two launches; returns the rates."""
+    acc = compute_dtype(dtype)
+    partials = torch.empty(2 * table.chunks, dtype=acc, device=device)
+    rates = torch.empty(count, dtype=acc, device=device)
+    lr_tensor = rates
+    if isinstance(lr, Tensor):
+        lr_tensor = lr if lr.device == device and lr.dtype == acc else lr.to(device, acc)
+    try:
+        _launch(
+            (table.chunks, 1),
+            index,
+            table,
+            partials,
+            rates,
+            rates if scale is None else scale,
+            lr_tensor,
+            rates if found_inf is None else found_inf,
+            squares_and_rates,
+            scale_kernel,
+            scalars,
+            flags,
+            _tl_dtype(dtype),
+            acc_dtype(dtype),
+            found_inf is not None,
+        )
+    except Exception as error:
+        # A kernel that cannot compile or launch here fails before it writes: the caller
+        # computes the plain formula (normhooks._kernels.lars_unit_).
+        raise _multi.KernelFailedError(error) from error
     return rates
 
 

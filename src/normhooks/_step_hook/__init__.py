@@ -42,7 +42,10 @@ C-level passes; it reads no tensor value. What a step brings (gradients present 
 dense or not, new gradient tensors, the lr) is read at each step, and nothing of it is kept
 but its layout: a steady step, whose every unit is laid out as recorded at the last step
 (:class:`~normhooks._step_hook.steady.Steady`, one rule), is planned and bound by those
-records in one C call and one pass over the addresses per unit.
+records in one C call and one pass over the addresses per unit. A gradient hook that
+declares ``replays = True`` (its unit function's kernel branch is one kernel entry's call and
+nothing else) has that step, outside GradScaler's fused protocol, replay the launches its unit
+function made at the last step (``Steady.replay``), in place of the function.
 
 The package, one concern per module, each building on those above it:
 

@@ -28,6 +28,9 @@ class HookCore:
     full_shapes: ClassVar[bool] = False
     row_wise: ClassVar[bool] = False
     whole_norms: ClassVar[bool] = True
+    # Whether a steady step may replay the launches the unit function made at the last step
+    # (Steady.replay) in its place: only where its kernel branch is one kernel entry's call.
+    replays: ClassVar[bool] = False
     _settings_class: ClassVar[type[Settings]]
     _unit_: ClassVar[UnitFunction[Any]]
 

@@ -67,6 +67,11 @@ class Running(Planning, UpdateRun):
         loss = None
         if steady is not None:
             plan, bound = steady
+            if scaling is None and self.replays:
+                replayed = _replayed(plan, bound)
+                if replayed is not None:
+                    self._last_values = replayed
+                    return None
         else:
             plan = self._plan(optimizer)
             if closure is not None:
@@ -156,6 +161,8 @@ class Running(Planning, UpdateRun):
                 values = cls._unit_(
                     b.params, b.sources, settings, lr, norms=b.norms, foreach=foreach, **extra
                 )
+                if cls.replays and extra["steady"] is not None and scaling is None:
+                    extra["steady"].keep_replay(settings, lr)
                 if handled:
                     _written_(b.grads, b.sources, flag_of(b), foreach)
                 if values is not None:
@@ -210,3 +217,28 @@ class Running(Planning, UpdateRun):
         with torch.no_grad():
             (values,) = cls._run_gradients_([(settings, None)], [bound], None, foreach)
         return values
+
+
+def _replayed(plan: Sequence[_GroupPlan], bound: Sequence[Sequence[_Bound]]) -> list[Tensor] | None:
+    """Each group's values where every bound unit's record holds a replay of its unit
+    function for this step (``Steady.replay_for``), all of them then replayed in order; None,
+    with nothing run, where any unit has none (the step takes the unit functions)."""
+    replays = []
+    for group_plan, of_group in zip(plan, bound, strict=True):
+        lr = group_plan.group.get("lr")
+        found = []
+        for b in of_group:
+            replay = None if b.steady is None else b.steady.replay_for(group_plan.settings, lr)
+            if replay is None:
+                return None
+            found.append((b.positions, replay))
+        replays.append((lr, found))
+    results = []
+    for lr, found in replays:
+        per_unit = []
+        for positions, replay in found:
+            values = replay(lr)
+            if values is not None:
+                per_unit.append((positions, values))
+        results.append(_in_order(per_unit) if per_unit else torch.empty(0))
+    return results

@@ -14,7 +14,7 @@ import functools
 import operator
 from collections.abc import Callable, Sequence
 from itertools import repeat
-from typing import Any
+from typing import Any, Protocol, cast
 
 from torch import Tensor
 
@@ -25,6 +25,17 @@ _IS_NOT_NONE = functools.partial(operator.is_not, None)
 # Records made again without a step between that used one: past this many, the unit's
 # tensors change at every step and a record costs more than it saves.
 _MAX_MISSES = 3
+# The key in Steady.kept under which a kernel entry leaves the launches it just made on the
+# record's tensors, to be replayed in place of the unit function (Steady.keep_replay).
+REPLAY = "replay"
+
+
+class Replayable(Protocol):
+    """What a kernel entry leaves under ``REPLAY`` (``normhooks._kernels._multi.Replay``)."""
+
+    def holds(self) -> bool: ...
+
+    def __call__(self, lr: Any) -> Tensor | None: ...
 
 
 class Steady:
@@ -52,7 +63,13 @@ class Steady:
     ``kept`` is what the techniques and their kernels derive from exactly these tensors (a
     table of addresses, which gradients a technique chooses, whether all are contiguous;
     keyed as each chooses): valid while the record holds and the gradients stay where they
-    are, and cleared here otherwise.
+    are, and cleared here otherwise, with :attr:`replay`.
+
+    :attr:`replay` is what the unit function did at the last step that ran it, where that
+    was one kernel entry's launches and nothing else (:meth:`keep_replay`): a steady step
+    replays it in its place (:meth:`replay_for`) where the record holds, the technique's
+    settings object is the one it was made under, the lr of the same kind, and the replay
+    itself holds (its own conditions: see ``normhooks._kernels._multi.Replay``).
     """
 
     __slots__ = (
@@ -63,6 +80,7 @@ class Steady:
         "kept",
         "params",
         "positions",
+        "replay",
         "used",
     )
 
@@ -83,6 +101,8 @@ class Steady:
         self._param_addresses = tuple(map(_ADDRESS, params))
         self._grad_addresses = tuple(map(_ADDRESS, grads))
         self.kept: dict[object, object] = {}
+        # (settings, the kind of lr, the replay): see keep_replay.
+        self.replay: tuple[object, type, Replayable] | None = None
         # Whether a step has found the record holding since it was made.
         self.used = False
 
@@ -120,8 +140,23 @@ class Steady:
         if addresses != self._grad_addresses:
             self._grad_addresses = addresses
             self.kept.clear()
+            self.replay = None
         self.used = True
         return True
+
+    def keep_replay(self, settings: object, lr: object) -> None:
+        """Takes what the unit function just left under ``REPLAY`` in :attr:`kept` (run
+        under ``settings`` and ``lr``; nothing: it cannot be replayed) as :attr:`replay`."""
+        replay = self.kept.pop(REPLAY, None)
+        self.replay = None if replay is None else (settings, type(lr), cast(Replayable, replay))
+
+    def replay_for(self, settings: object, lr: object) -> Replayable | None:
+        """:attr:`replay` where it stands for the unit function under ``settings`` and ``lr``
+        at this step (the record holding, which the caller has found), else None."""
+        replay = self.replay
+        if replay is None or replay[0] is not settings or replay[1] is not type(lr):
+            return None
+        return replay[2] if replay[2].holds() else None
 
 
 def retaken(previous: Steady | None, misses: int) -> tuple[bool, int]:
