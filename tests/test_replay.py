@@ -205,6 +205,8 @@ def test_each_part_of_the_replays_rule_changed_under_it(
 
 
 def test_a_setting_edited_is_not_replayed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The group's entries fail the plan's rule first: the plan and its settings are made
+    again (the replay's own check of the settings object is tested on its own, below)."""
     optimizer, params = steady_optimizer(HOOKS["lars"][0]())
     replays = Replays(monkeypatch)
     optimizer.param_groups[0]["lars_eps"] = 1e-2
@@ -357,3 +359,127 @@ def test_a_parameter_changed_under_a_replay_is_not_replayed(
         optimizer.step()
     assert replays.count == 0
     assert_rewritten(params, wanted)
+
+
+@pytest.mark.parametrize("name", ["lars", "agc"])
+def test_a_parameter_laid_out_unlike_its_gradient_is_not_replayed(
+    monkeypatch: pytest.MonkeyPatch, name: str
+) -> None:
+    """The kernels read such a parameter through a contiguous copy made for the call, which a
+    replay would read again after it is freed; its values change between steps (in place,
+    under the record)."""
+    make, by_hand = HOOKS[name]
+    params = [nn.Parameter(torch.randn(4, 3, device=device()).t()) for _ in range(2)]
+    for param in params:
+        param.grad = torch.randn(param.shape, device=device())
+    optimizer = torch.optim.SGD(params, lr=0.0)
+    make().attach(optimizer)
+    replays = Replays(monkeypatch)
+    with kernel_path():
+        for _ in range(4):
+            with torch.no_grad():
+                for param in params:
+                    param.mul_(1.5)
+            refill(params)
+            wanted = wanted_of(params, by_hand)
+            optimizer.step()
+            assert_rewritten(params, wanted)
+    assert replays.count == 0
+
+
+def test_a_unit_with_nothing_to_centralize_replays_too(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A group of biases (no gradient of two or more dims) beside one of weights: every unit
+    replays, the biases' doing nothing."""
+    weights = [nn.Parameter(torch.randn(3, 4, device=device()))]
+    biases = [nn.Parameter(torch.randn(3, device=device()).double())]
+    params = [*weights, *biases]
+    for param in params:
+        param.grad = torch.randn_like(param)
+    optimizer = torch.optim.SGD([{"params": weights}, {"params": biases}], lr=0.0)
+    GradientCentralization().attach(optimizer)
+    with kernel_path():
+        for _ in range(3):
+            refill(params)
+            optimizer.step()
+        replays = Replays(monkeypatch)
+        ran: list[int] = []
+        unit = GradientCentralization._unit_
+
+        def counting(*args: Any, **kwargs: Any) -> Any:
+            ran.append(1)
+            return unit(*args, **kwargs)
+
+        monkeypatch.setattr(GradientCentralization, "_unit_", staticmethod(counting))
+        refill(params)
+        wanted = wanted_of(params, centralized_by_hand)
+        optimizer.step()
+    # The weights' launches replayed, the biases' nothing; no unit function ran.
+    assert (replays.count, ran) == (1, [])
+    assert_rewritten(params, wanted)
+
+
+def lars_rate_by_hand(param: Tensor, grad: Tensor, lr: float | None = None) -> float:
+    """The rate of :func:`lars_by_hand`, and with ``lr`` LARC's clipping, min(rate / lr, 1)."""
+    w, g = param.detach().double(), grad.double()
+    w_norm, g_norm = w.norm(), g.norm()
+    rate = float(w_norm / (g_norm + EPS + WEIGHT_DECAY * w_norm)) if w_norm > THRESHOLD else 1.0
+    return rate if lr is None else min(rate / lr, 1.0)
+
+
+def test_a_replay_reads_the_tensor_lr_it_is_given(monkeypatch: pytest.MonkeyPatch) -> None:
+    """LARC's clipping with a tensor lr: the launches read the lr tensor of this step, a new
+    one included."""
+    params = [nn.Parameter(torch.randn(shape, device=device())) for shape in SHAPES]
+    for param in params:
+        param.grad = torch.randn_like(param)
+    optimizer = torch.optim.SGD(params, lr=torch.tensor(0.5))
+    optimizer.param_groups[0]["lars_clip"] = True
+    hook = GradientLARS(THRESHOLD, WEIGHT_DECAY, EPS)
+    hook.attach(optimizer)
+    with kernel_path():
+        for _ in range(3):
+            refill(params)
+            optimizer.step()
+        replays = Replays(monkeypatch)
+        for lr in (torch.tensor(0.05), torch.tensor(0.002)):
+            optimizer.param_groups[0]["lr"] = lr
+            refill(params)
+            rates = [lars_rate_by_hand(p, p.grad, float(lr)) for p in params]  # type: ignore[arg-type]
+            wanted = [
+                r * (p.grad.double() + WEIGHT_DECAY * p.detach().double())
+                for r, p in zip(rates, params, strict=True)
+            ]  # type: ignore[union-attr]
+            optimizer.step()
+            assert_rewritten(params, [w.float() for w in wanted])
+            torch.testing.assert_close(
+                hook.last_rates[0].double(),
+                torch.tensor(rates, dtype=torch.float64),
+                rtol=1e-5,
+                atol=0,
+            )
+    assert replays.count == 2
+
+
+def test_the_values_of_several_units_come_back_in_parameter_order(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A group whose float32 and float64 parameters make two units, interleaved."""
+    dtypes = [torch.float32, torch.float64, torch.float32, torch.float64]
+    params = [nn.Parameter(torch.randn(3, 2, device=device(), dtype=d)) for d in dtypes]
+    for param in params:
+        param.grad = torch.randn_like(param)
+    optimizer = torch.optim.SGD(params, lr=0.0)
+    hook = GradientLARS(THRESHOLD, WEIGHT_DECAY, EPS)
+    hook.attach(optimizer)
+    with kernel_path():
+        for _ in range(3):
+            refill(params)
+            optimizer.step()
+        replays = Replays(monkeypatch)
+        refill(params)
+        rates = [lars_rate_by_hand(p, p.grad) for p in params]  # type: ignore[arg-type]
+        optimizer.step()
+    assert replays.count == 2
+    torch.testing.assert_close(
+        hook.last_rates[0].double(), torch.tensor(rates, dtype=torch.float64), rtol=1e-5, atol=0
+    )

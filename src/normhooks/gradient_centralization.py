@@ -24,7 +24,7 @@ from normhooks import _torch_compat as compat
 from normhooks._precision import HALF_DTYPES, compute_dtype
 from normhooks._step_hook import Settings, Steady, StepHook, setting
 from normhooks._step_hook.checks import all_plain
-from normhooks._step_hook.steady import REPLAY
+from normhooks._step_hook.steady import NOTHING, REPLAY
 
 __all__ = ["GradientCentralization", "centralize_gradients_"]
 
@@ -79,6 +79,8 @@ def centralize_unit_(
         positions = cast(list[int], kept["positions"])
         chosen = list(map(grads.__getitem__, positions))
     if not chosen:
+        if steady is not None:
+            steady.kept[REPLAY] = NOTHING  # none chosen, whatever the kernels' state
         return
     # available() checks the process-wide conditions (not compiling, no transform or mode)
     # once; every tensor must be plain (DTensors, sharded, keep the formula below), which a

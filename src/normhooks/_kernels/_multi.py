@@ -44,7 +44,7 @@ import triton.language as tl
 from torch import Tensor
 
 from normhooks._kernels._cache import KeyedCache
-from normhooks._kernels._common import DeviceTable, current_stream
+from normhooks._kernels._common import DeviceTable, current_stream, device_index, on_device
 from normhooks._kernels._common import tl_dtype as _tl_dtype
 from normhooks._step_hook.steady import REPLAY
 
@@ -279,8 +279,10 @@ class Replay:
     ``replay(lr)`` returns what the entry returned, for the same arguments but ``lr``.
 
     An entry leaves one in ``kept`` under ``REPLAY`` (``normhooks._step_hook.steady``)
-    only where it copied no tensor, was given no GradScaler argument, was not capturing a
-    CUDA graph, and took no float ``lr`` into the launch's constants. What makes it valid:
+    only where it copied no tensor of any list (its table then points at the tensors
+    themselves, and :func:`prepared` kept it), was given no GradScaler argument, was not
+    capturing a CUDA graph, and took no float ``lr`` into the launch's constants. What makes
+    it valid:
 
     - the caller's proof that the tensors are as they were: a step hook's unit record that
       holds (its ``kept`` is cleared where a gradient moved);
@@ -308,11 +310,10 @@ class Replay:
         self._allowed = allowed
 
     def holds(self) -> bool:
-        return (
-            self._generation == _generation
-            and not capturing(self._probe.device)
-            and self._allowed(self._probe)
-        )
+        device = self._probe.device
+        with on_device(device_index(device)):  # capture is a property of that device's stream
+            captured = capturing(device)
+        return self._generation == _generation and not captured and self._allowed(self._probe)
 
     def __call__(self, lr: Any) -> Tensor | None:
         table = self._table

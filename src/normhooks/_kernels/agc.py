@@ -309,7 +309,7 @@ def agc_unit_(
     index = device_index(device)
     with on_device(index):
         capturing = _multi.capturing(device)
-        (params, grads), (_, copied), table = _multi.prepared(
+        (params, grads), (param_copies, copied), table = _multi.prepared(
             [params, grads], ("params", "grads"), _multi.DIM0, _CHUNK, capturing, "AGC", kept
         )
         scale = grad_scale
@@ -328,7 +328,11 @@ def agc_unit_(
         maxima = run(scale, found_inf)
         _multi.keep_replay(
             kept,
-            not copied and scale is None and found_inf is None and not capturing,
+            not param_copies
+            and not copied
+            and scale is None
+            and found_inf is None
+            and not capturing,
             table,
             params[0],
             lambda lr: run(None, None),

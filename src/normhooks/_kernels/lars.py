@@ -361,7 +361,7 @@ def lars_unit_(
                 "replay); under capture give lr as a 1-element tensor on the device, which "
                 f"schedulers update in place, got lr={lr!r}"
             )
-        (params, grads), (_, copied), table = _multi.prepared(
+        (params, grads), (param_copies, copied), table = _multi.prepared(
             [params, grads], ("params", "grads"), _multi.WHOLE, _CHUNK, capturing, "LARS", kept
         )
         scale = grad_scale
@@ -391,7 +391,8 @@ def lars_unit_(
         # A float lr that clipping divides by is one of the launch's constants: not replayed.
         _multi.keep_replay(
             kept,
-            not copied
+            not param_copies
+            and not copied
             and scale is None
             and found_inf is None
             and not capturing

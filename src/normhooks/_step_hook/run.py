@@ -68,7 +68,8 @@ class Running(Planning, UpdateRun):
         if steady is not None:
             plan, bound = steady
             if scaling is None and self.replays:
-                replayed = _replayed(plan, bound)
+                with torch.no_grad():
+                    replayed = _replayed(plan, bound)
                 if replayed is not None:
                     self._last_values = replayed
                     return None
@@ -161,7 +162,9 @@ class Running(Planning, UpdateRun):
                 values = cls._unit_(
                     b.params, b.sources, settings, lr, norms=b.norms, foreach=foreach, **extra
                 )
-                if cls.replays and extra["steady"] is not None and scaling is None:
+                if cls.replays and extra["steady"] is not None:
+                    # Under GradScaler too: what the kernels left for unscaled gradients, or
+                    # None, is this call's, never one of an earlier step's.
                     extra["steady"].keep_replay(settings, lr)
                 if handled:
                     _written_(b.grads, b.sources, flag_of(b), foreach)

@@ -38,6 +38,20 @@ class Replayable(Protocol):
     def __call__(self, lr: Any) -> Tensor | None: ...
 
 
+class _Nothing:
+    """The replay of a unit function that does nothing to these tensors, whatever the kernels'
+    state (a technique that chooses none of them)."""
+
+    def holds(self) -> bool:
+        return True
+
+    def __call__(self, lr: Any) -> None:
+        return None
+
+
+NOTHING = _Nothing()
+
+
 class Steady:
     """One unit's parameters and gradients as recorded at a step (kept on its ``_Unit``).
 
