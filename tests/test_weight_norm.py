@@ -171,18 +171,23 @@ def test_convert_with_weight_normalization_builds_and_converts() -> None:
 
 
 @pytest.mark.parametrize(
-    ("make", "x"),
+    ("make", "shape"),
     [
-        (lambda: convert_with_weight_normalization(nn.Linear, 3, 5), torch.rand(10, 3)),
+        (lambda: convert_with_weight_normalization(nn.Linear, 3, 5), (10, 3)),
         (
             lambda: convert_with_weight_normalization(nn.Conv2d, 2, 4, kernel_size=3, padding=1),
-            torch.rand(10, 2, 20, 20),
+            (10, 2, 20, 20),
         ),
-        (lambda: convert_with_weight_normalization(nn.LSTM, 3, 5), torch.rand(10, 3)),
+        (lambda: convert_with_weight_normalization(nn.LSTM, 3, 5), (10, 3)),
     ],
     ids=["linear", "conv2d", "lstm"],
 )
-def test_seed_self_test(make: Callable[[], nn.Module], x: torch.Tensor) -> None:
+def test_seed_self_test(make: Callable[[], nn.Module], shape: tuple[int, ...]) -> None:
+    # Seeded: it asks every value to move at one step, which about 2 in 100 random LSTMs and
+    # inputs do not (a value whose update rounds away), so it must not depend on the tests
+    # that ran before it.
+    torch.manual_seed(0)
+    x = torch.rand(shape)
     module = make()
     names = list(module.parametrizations.keys())
     for name in names:
