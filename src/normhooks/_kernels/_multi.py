@@ -289,7 +289,7 @@ class Replay:
     - the same arguments but ``lr``, which the caller checks: a technique's settings object,
       and an ``lr`` of the same kind (a float, a tensor or None);
     - :meth:`holds`, at each call: the tables' generation it was made in
-      (:func:`drop_tables`), no capture on the current stream, and the kernels still allowed
+      (:func:`drop_tables`), no capture on the tensors' device, and the kernels still allowed
       on these tensors (``allowed``, the package's ``available``: switched on, not broken,
       the CPU routed where they are CPU tensors, plain eager code).
     """
