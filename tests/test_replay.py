@@ -100,20 +100,26 @@ def refill(params: list[nn.Parameter]) -> None:
         param.grad.copy_(torch.randn(param.shape))
 
 
-def steady_optimizer(hook: Any) -> tuple[torch.optim.SGD, list[nn.Parameter]]:
-    """SGD(lr=0) over SHAPES with ``hook``, after three steps on the kernels: the first records
-    the unit, the second runs its function under the record and keeps the replay, the third
-    replays it."""
-    params = [nn.Parameter(torch.randn(shape, device=device())) for shape in SHAPES]
+def warmed(
+    params: list[nn.Parameter], optimizer: torch.optim.Optimizer, hook: Any
+) -> torch.optim.Optimizer:
+    """``optimizer`` over ``params`` with ``hook``, after three steps on the kernels: the first
+    records each unit, the second runs its function under the record and keeps the replay,
+    the third replays it."""
     for param in params:
         param.grad = torch.randn_like(param)
-    optimizer = torch.optim.SGD(params, lr=0.0)
     hook.attach(optimizer)
     with kernel_path():
         for _ in range(3):
             refill(params)
             optimizer.step()
-    return optimizer, params
+    return optimizer
+
+
+def steady_optimizer(hook: Any) -> tuple[torch.optim.Optimizer, list[nn.Parameter]]:
+    """SGD(lr=0) over SHAPES with ``hook``, :func:`warmed`."""
+    params = [nn.Parameter(torch.randn(shape, device=device())) for shape in SHAPES]
+    return warmed(params, torch.optim.SGD(params, lr=0.0), hook), params
 
 
 def wanted_of(
@@ -241,14 +247,9 @@ def test_a_step_under_gradscaler_is_not_replayed(monkeypatch: pytest.MonkeyPatch
     """A replay writes what it wrote for unscaled gradients: under GradScaler's fused
     protocol the unit function must unscale them."""
     params = [nn.Parameter(torch.randn(shape)) for shape in SHAPES]
-    for param in params:
-        param.grad = torch.randn_like(param)
     optimizer = torch.optim.Adam(params, lr=0.0, fused=True)
-    GradientLARS(THRESHOLD, WEIGHT_DECAY, EPS).attach(optimizer)
+    warmed(params, optimizer, GradientLARS(THRESHOLD, WEIGHT_DECAY, EPS))
     with kernel_path():
-        for _ in range(3):
-            refill(params)
-            optimizer.step()
         replays = Replays(monkeypatch)
         scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
         scaler.scale(torch.zeros(()))  # the scale is made at the first scale()
@@ -393,14 +394,9 @@ def test_a_unit_with_nothing_to_centralize_replays_too(monkeypatch: pytest.Monke
     weights = [nn.Parameter(torch.randn(3, 4, device=device()))]
     biases = [nn.Parameter(torch.randn(3, device=device()).double())]
     params = [*weights, *biases]
-    for param in params:
-        param.grad = torch.randn_like(param)
     optimizer = torch.optim.SGD([{"params": weights}, {"params": biases}], lr=0.0)
-    GradientCentralization().attach(optimizer)
+    warmed(params, optimizer, GradientCentralization())
     with kernel_path():
-        for _ in range(3):
-            refill(params)
-            optimizer.step()
         replays = Replays(monkeypatch)
         ran: list[int] = []
         unit = GradientCentralization._unit_
@@ -430,16 +426,10 @@ def test_a_replay_reads_the_tensor_lr_it_is_given(monkeypatch: pytest.MonkeyPatc
     """LARC's clipping with a tensor lr: the launches read the lr tensor of this step, a new
     one included."""
     params = [nn.Parameter(torch.randn(shape, device=device())) for shape in SHAPES]
-    for param in params:
-        param.grad = torch.randn_like(param)
-    optimizer = torch.optim.SGD(params, lr=torch.tensor(0.5))
-    optimizer.param_groups[0]["lars_clip"] = True
+    optimizer = torch.optim.SGD([{"params": params, "lars_clip": True}], lr=torch.tensor(0.5))
     hook = GradientLARS(THRESHOLD, WEIGHT_DECAY, EPS)
-    hook.attach(optimizer)
+    warmed(params, optimizer, hook)
     with kernel_path():
-        for _ in range(3):
-            refill(params)
-            optimizer.step()
         replays = Replays(monkeypatch)
         for lr in (torch.tensor(0.05), torch.tensor(0.002)):
             optimizer.param_groups[0]["lr"] = lr
@@ -466,15 +456,9 @@ def test_the_values_of_several_units_come_back_in_parameter_order(
     """A group whose float32 and float64 parameters make two units, interleaved."""
     dtypes = [torch.float32, torch.float64, torch.float32, torch.float64]
     params = [nn.Parameter(torch.randn(3, 2, device=device(), dtype=d)) for d in dtypes]
-    for param in params:
-        param.grad = torch.randn_like(param)
-    optimizer = torch.optim.SGD(params, lr=0.0)
     hook = GradientLARS(THRESHOLD, WEIGHT_DECAY, EPS)
-    hook.attach(optimizer)
+    optimizer = warmed(params, torch.optim.SGD(params, lr=0.0), hook)
     with kernel_path():
-        for _ in range(3):
-            refill(params)
-            optimizer.step()
         replays = Replays(monkeypatch)
         refill(params)
         rates = [lars_rate_by_hand(p, p.grad) for p in params]  # type: ignore[arg-type]
